@@ -1,0 +1,101 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each returns.
+
+Every multi-rank test goes through :func:`run_distributed` so that they all share one
+way of launching (spawned processes, a free loopback port, one intra-op thread per rank
+because these machines have 2 cores) and one way of reporting a failure (the failing
+rank's traceback is re-raised in the parent, naming the rank).
+
+The function must be importable at module level (spawn pickles it by reference). It is
+called as ``fn(rank, world_size, *args)`` after ``torch.distributed`` is initialised;
+whatever it returns must be picklable (tensors are moved to CPU and detached).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
+            queue: "mp.Queue", threads: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", _to_cpu(result)))
+    except BaseException:  # noqa: BLE001 - report everything, the parent re-raises
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
+                    timeout: float = 600.0, threads_per_rank: int = 1) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
+
+    Raises ``RuntimeError`` carrying the first failing rank's traceback, or on timeout.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue,
+                                          threads_per_rank), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, payload = queue.get(timeout=timeout)
+            except Exception as exc:  # queue.Empty
+                dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode]
+                raise RuntimeError(
+                    f"run_distributed: no result within {timeout:.0f}s "
+                    f"(ranks that died: {dead or 'none'}; results so far: {sorted(results)})"
+                ) from exc
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break  # the other ranks are likely blocked in a collective
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
