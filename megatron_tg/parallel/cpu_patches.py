@@ -1,0 +1,179 @@
+"""Make megatron-core's local (non-Transformer-Engine) model code run on CPU under gloo.
+
+Applied only when no CUDA device is present (tests and the CPU demo); on GPU this module
+is never imported by the training path. Each patch replaces exactly one CUDA-only
+assumption and leaves the parallel logic (TP/EP collectives, vocab-parallel ops, MoE
+token dispatch, distributed checkpointing) untouched, so the CPU tests exercise the same
+code the cluster runs. Measured on megatron-core 0.16.1 and 0.19.2.
+
+1. ``torch.cuda.current_device()`` is used as an *allocation device* at ~40 sites
+   (tensor_parallel.mappings/layers, rotary embeddings, the MoE router, gpt_model, the DDP
+   grad buffers). We make it return ``"cpu"`` so those allocations land on the CPU.
+2. ``torch.cuda.synchronize`` is called around torch_dist checkpoint saves: a no-op here.
+3. The CUDA RNG tracker (``tensor_parallel.random``) stores CUDA generator states; a
+   subclass keeps CPU generator states instead and forks the CPU RNG. Dropout in TP
+   regions therefore still draws from per-TP-rank streams, as on GPU.
+4. ``transformer.utils.get_default_causal_mask`` / ``get_sliding_window_causal_mask``
+   build masks with ``device="cuda"``; replaced by CPU versions (same shapes, same cache).
+5. The alltoall MoE dispatcher moves split sizes to the host on a side CUDA stream and
+   syncs with an event. On CPU the tensors are already on the host; we convert them to
+   numpy exactly as the GPU path does (``all_to_all_single`` wants host split sizes) and
+   skip the streams.
+6. megatron-core 0.16.1 leaves ``moe_utils.te_general_gemm`` unbound when TE is absent,
+   so every router forward raises NameError; we bind it to ``None`` (the torch fallback).
+
+Everything is idempotent; :func:`apply_cpu_patches` returns the list of patches applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+_APPLIED: list[str] = []
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply_cpu_patches() -> list[str]:
+    """Apply every patch once (no-op when CUDA is available). Returns what was patched."""
+    if cuda_available():
+        return []
+    if _APPLIED:
+        return list(_APPLIED)
+    _patch_torch_cuda()
+    _patch_rng_tracker()
+    _patch_causal_masks()
+    _patch_moe()
+    log.debug("megatron CPU patches applied: %s", _APPLIED)
+    return list(_APPLIED)
+
+
+def _patch_torch_cuda() -> None:
+    # (1) allocation device; (2) synchronize around checkpoint saves.
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    _APPLIED.extend(["torch.cuda.current_device->cpu", "torch.cuda.synchronize->noop"])
+
+
+class CPURNGStatesTracker:
+    """Drop-in for megatron's ``CudaRNGStatesTracker`` that tracks CPU generator states.
+
+    ``fork(name)`` swaps the global CPU RNG state for the named one and restores it after,
+    which is what the CUDA tracker does with the device generator.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.reset()
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _patch_rng_tracker() -> None:
+    # (3) megatron calls torch.cuda.manual_seed / get_rng_state on the default tracker.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # model_parallel_cuda_manual_seed calls these directly on the device generator.
+    torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    _APPLIED.append("tensor_parallel.random tracker->CPURNGStatesTracker")
+
+
+def _patch_causal_masks() -> None:
+    # (4) same semantics as megatron's, allocated on CPU; cached like the originals.
+    from megatron.core.transformer import utils as tutils
+
+    @functools.lru_cache(maxsize=32)
+    def default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    @functools.lru_cache(maxsize=32)
+    def sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        left, right = window_size
+        return ~(torch.triu(m, diagonal=-left) & torch.tril(m, diagonal=right))
+
+    tutils.get_default_causal_mask = default_causal_mask
+    tutils.get_sliding_window_causal_mask = sliding_window_causal_mask
+    try:  # the fused-softmax module imported them by name
+        from megatron.core.fusions import fused_softmax
+
+        fused_softmax.get_default_causal_mask = default_causal_mask
+        fused_softmax.get_sliding_window_causal_mask = sliding_window_causal_mask
+    except ImportError:  # pragma: no cover - older layouts
+        pass
+    _APPLIED.append("transformer.utils causal masks->cpu")
+
+
+def _patch_moe() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # (6) unbound name in 0.16.1 without TE; the code checks `is not None`.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _APPLIED.append("moe_utils.te_general_gemm=None")
+
+    # (5) host split sizes without CUDA streams/events.
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+    cls.cuda_dtoh_stream = object()  # non-None so __init__ does not create a CUDA stream
+
+    def _host(t):
+        return t.numpy() if torch.is_tensor(t) else t
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            self.input_splits = _host(self.input_splits)
+            self.output_splits = _host(self.output_splits)
+            self.output_splits_tp = _host(self.output_splits_tp)
+        return tokens_per_expert
+
+    cls._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+    _APPLIED.append("MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize->host numpy")
