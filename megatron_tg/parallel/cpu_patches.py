@@ -19,7 +19,11 @@ code the cluster runs. Measured on megatron-core 0.16.1 and 0.19.2.
    syncs with an event. On CPU the tensors are already on the host; we convert them to
    numpy exactly as the GPU path does (``all_to_all_single`` wants host split sizes) and
    skip the streams.
-6. megatron-core 0.16.1 leaves ``moe_utils.te_general_gemm`` unbound when TE is absent,
+6. gloo has no all-gather / reduce-scatter with *uneven* sizes, which the MoE dispatcher
+   uses when experts are tensor-parallel (etp > 1). The uneven branch of
+   ``tensor_parallel.mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``
+   is replaced by pad-to-max + the even collective + trim; the even branch is untouched.
+7. megatron-core 0.16.1 leaves ``moe_utils.te_general_gemm`` unbound when TE is absent,
    so every router forward raises NameError; we bind it to ``None`` (the torch fallback).
 
 Everything is idempotent; :func:`apply_cpu_patches` returns the list of patches applied.
@@ -50,6 +54,7 @@ def apply_cpu_patches() -> list[str]:
     _patch_torch_cuda()
     _patch_rng_tracker()
     _patch_causal_masks()
+    _patch_uneven_collectives()
     _patch_moe()
     log.debug("megatron CPU patches applied: %s", _APPLIED)
     return list(_APPLIED)
@@ -153,10 +158,45 @@ def _patch_causal_masks() -> None:
     _APPLIED.append("transformer.utils causal masks->cpu")
 
 
+def _patch_uneven_collectives() -> None:
+    # (6) pad-to-max implementations of the uneven branches.
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    orig_gather = mappings._gather_along_first_dim
+    orig_rs = mappings._reduce_scatter_along_first_dim
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return orig_gather(input_, group, output_split_sizes, use_global_buffer)
+        width = max(output_split_sizes)
+        padded = input_.new_zeros((width, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((width * group.size(), *input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        pieces = [out[r * width: r * width + n] for r, n in enumerate(output_split_sizes)]
+        return torch.cat(pieces, dim=0)
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return orig_rs(input_, group, input_split_sizes, use_global_buffer)
+        width = max(input_split_sizes)
+        padded = input_.new_zeros((width * group.size(), *input_.shape[1:]))
+        for r, chunk in enumerate(torch.split(input_, list(input_split_sizes), dim=0)):
+            padded[r * width: r * width + chunk.shape[0]] = chunk
+        out = input_.new_empty((width, *input_.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded.contiguous(), group=group)
+        return out[: input_split_sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
+    _APPLIED.append("tensor_parallel.mappings uneven gather/reduce-scatter->padded")
+
+
 def _patch_moe() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    # (6) unbound name in 0.16.1 without TE; the code checks `is not None`.
+    # (7) unbound name in 0.16.1 without TE; the code checks `is not None`.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
         _APPLIED.append("moe_utils.te_general_gemm=None")

@@ -38,9 +38,11 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    etp: int = 1
+    etp: int | None = None  # None: same as tp (megatron's default)
 
     def __post_init__(self) -> None:
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
         for name in ("world_size", "tp", "pp", "cp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -49,6 +51,10 @@ class ParallelDims:
             raise LayoutError(
                 f"world_size={self.world_size} is not divisible by tp*cp*pp="
                 f"{self.tp}*{self.cp}*{self.pp}={model}")
+        if self.ep == 1 and self.etp != self.tp:
+            # megatron marks expert weights "allreduce" (dense) when ep == 1, so their grads
+            # would be reduced over the dense DP group, not the expert-DP group: wrong sums.
+            raise LayoutError(f"ep=1 requires etp == tp (got etp={self.etp}, tp={self.tp})")
         expert_model = self.etp * self.ep * self.pp
         if self.world_size % expert_model:
             raise LayoutError(

@@ -72,7 +72,7 @@ def default_backend() -> str:
 
 
 def init_parallel(dims: ParallelDims | None = None, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                  ep: int = 1, etp: int = 1, seed: int = 1234, backend: str = "auto",
+                  ep: int = 1, etp: int | None = None, seed: int = 1234, backend: str = "auto",
                   timeout_s: float = 1800.0) -> ParallelContext:
     """Initialise distributed + megatron parallel state; idempotent per process.
 

@@ -12,7 +12,9 @@ whatever it returns must be picklable (tensors are moved to CPU and detached).
 
 from __future__ import annotations
 
+import io
 import os
+import queue as queue_mod
 import socket
 import traceback
 from typing import Any, Callable
@@ -49,7 +51,11 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
     try:
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", _to_cpu(result)))
+        # Plain bytes, not tensors: torch's queue pickling shares tensor storage through file
+        # descriptors that die with this process, which may exit before the parent reads.
+        buf = io.BytesIO()
+        torch.save(_to_cpu(result), buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything, the parent re-raises
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -79,14 +85,14 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
         for _ in range(world_size):
             try:
                 rank, status, payload = queue.get(timeout=timeout)
-            except Exception as exc:  # queue.Empty
+            except queue_mod.Empty as exc:
                 dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode]
                 raise RuntimeError(
                     f"run_distributed: no result within {timeout:.0f}s "
                     f"(ranks that died: {dead or 'none'}; results so far: {sorted(results)})"
                 ) from exc
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break  # the other ranks are likely blocked in a collective

@@ -145,7 +145,7 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
 
 
 def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                       etp: int = 1, params_dtype: torch.dtype = torch.float32,
+                       etp: int | None = None, params_dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool | None = None, on_cpu: bool | None = None,
                        moe_aux_loss_coeff: float = 0.0, recompute: bool = False,
                        perform_initialization: bool = True):
@@ -153,6 +153,7 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, cp: int = 1
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = (not torch.cuda.is_available()) if on_cpu is None else on_cpu
+    etp = tp if etp is None else etp  # megatron's default; see ParallelDims
     if sequence_parallel is None:
         # megatron requires SP for MoE with TP>1; it also saves activation memory for dense.
         sequence_parallel = tp > 1

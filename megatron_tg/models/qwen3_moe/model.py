@@ -43,28 +43,32 @@ class RMSNorm(torch.nn.Module):
         return self.weight * h.to(dtype)
 
 
-def _replace_norms(spec: Any, seen: set[int] | None = None) -> Any:
-    """Walk a megatron ModuleSpec tree and swap the torch-norm wrapper for :class:`RMSNorm`."""
+def _replace_norms(spec: Any, memo: dict[int, Any] | None = None) -> Any:
+    """Walk a megatron ModuleSpec tree and swap the torch-norm wrapper for :class:`RMSNorm`.
+
+    Layer specs are shared between layers, so results are memoised by identity.
+    """
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    seen = set() if seen is None else seen
+    memo = {} if memo is None else memo
     if spec is WrappedTorchNorm:
         return RMSNorm
-    if id(spec) in seen:
-        return spec
-    seen.add(id(spec))
+    if id(spec) in memo:
+        return memo[id(spec)]
     if isinstance(spec, ModuleSpec):
         module = RMSNorm if spec.module is WrappedTorchNorm else spec.module
-        return dataclasses.replace(spec, module=module,
-                                   submodules=_replace_norms(spec.submodules, seen))
-    if isinstance(spec, (list, tuple)):
-        return type(spec)(_replace_norms(s, seen) for s in spec)
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: _replace_norms(getattr(spec, f.name), seen)
-                   for f in dataclasses.fields(spec)}
-        return dataclasses.replace(spec, **changes)
-    return spec
+        out = dataclasses.replace(spec, module=module,
+                                  submodules=_replace_norms(spec.submodules, memo))
+    elif isinstance(spec, (list, tuple)):
+        out = type(spec)(_replace_norms(s, memo) for s in spec)
+    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        out = dataclasses.replace(spec, **{f.name: _replace_norms(getattr(spec, f.name), memo)
+                                           for f in dataclasses.fields(spec)})
+    else:
+        return spec
+    memo[id(spec)] = out
+    return out
 
 
 def layer_spec(config, *, use_te: bool | None = None):
@@ -77,7 +81,7 @@ def layer_spec(config, *, use_te: bool | None = None):
 
 
 def build_model(hf_config: Any, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                etp: int = 1, params_dtype: torch.dtype = torch.float32,
+                etp: int | None = None, params_dtype: torch.dtype = torch.float32,
                 vocab_pad_multiple: int = 128, pre_process: bool | None = None,
                 post_process: bool | None = None, use_te: bool | None = None,
                 seq_length: int | None = None, **config_overrides: Any):
