@@ -10,6 +10,9 @@ code the cluster runs. Measured on megatron-core 0.16.1 and 0.19.2.
    (tensor_parallel.mappings/layers, rotary embeddings, the MoE router, gpt_model, the DDP
    grad buffers). We make it return ``"cpu"`` so those allocations land on the CPU.
 2. ``torch.cuda.synchronize`` is called around torch_dist checkpoint saves: a no-op here.
+   0.19.x's DDP grad sync asks for ``torch.cuda.current_stream()`` to wait on CUDA-graph
+   events; on CPU there is one implicit stream, so a null stream (every wait a no-op)
+   and a null ``torch.cuda.stream`` context stand in.
 3. The CUDA RNG tracker (``tensor_parallel.random``) stores CUDA generator states; a
    subclass keeps CPU generator states instead and forks the CPU RNG. Dropout in TP
    regions therefore still draws from per-TP-rank streams, as on GPU.
@@ -60,11 +63,30 @@ def apply_cpu_patches() -> list[str]:
     return list(_APPLIED)
 
 
+class _NullStream:
+    """The CPU's single implicit stream: ordering is program order, so waits are no-ops."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return None
+
+    def synchronize(self) -> None:
+        pass
+
+
 def _patch_torch_cuda() -> None:
-    # (1) allocation device; (2) synchronize around checkpoint saves.
+    # (1) allocation device; (2) synchronize around checkpoint saves, streams in DDP.
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    _APPLIED.extend(["torch.cuda.current_device->cpu", "torch.cuda.synchronize->noop"])
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    _APPLIED.extend(["torch.cuda.current_device->cpu", "torch.cuda.synchronize->noop",
+                     "torch.cuda.current_stream/stream->null"])
 
 
 class CPURNGStatesTracker:

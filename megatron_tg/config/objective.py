@@ -1,0 +1,181 @@
+"""Typed configuration of the training objective (GRPO + failure-gated self-distillation).
+
+Only types that OmegaConf structured configs accept are used (str/int/float/bool, Optional,
+List, Dict[str, float], nested dataclasses). Enumerations are plain ``str`` fields checked by
+:meth:`ObjectiveConfig.validate`, because OmegaConf does not support ``typing.Literal``.
+
+The math that these fields parameterise is written out in the module docstrings of
+``megatron_tg/objectives/grpo.py`` and ``megatron_tg/objectives/guidance.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+MODES = ("tg", "grpo", "opsd", "always_on", "no_thinking")
+KL_DIRECTIONS = ("reverse", "forward", "jsd")
+KL_TOKEN_NORMALIZATIONS = ("rollout_gated", "rollout_assistant", "global")
+PG_TOKEN_NORMALIZATIONS = ("rollout", "global")
+EXPERTS = ("shared", "frozen", "ema")
+EXPERT_SEQUENCES = ("shared", "exact")
+
+
+@dataclass
+class EntropyGuardConfig:
+    """Controller that lowers λ when entropy on gated tokens spikes (paper §5.4)."""
+
+    enabled: bool = False
+    """Off by default: the paper found a static, low enough λ stable; the guard is a safety net."""
+
+    rise_threshold: float = 0.05
+    """Largest tolerated rise, in nats per step, of the smoothed mean entropy on gated tokens.
+    A faster rise is read as the onset of the entropy spike that precedes collapse (paper Fig. 6)."""
+
+    smoothing: float = 0.9
+    """EMA factor for the entropy baseline the rise is measured against (0 = no smoothing)."""
+
+    decay_factor: float = 0.5
+    """λ is multiplied by this when the guard trips (multiplicative back-off, cut fast)."""
+
+    recover_rate: float = 0.05
+    """Fraction of the gap back to the configured λ restored per calm step (restore slowly)."""
+
+    min_coef: float = 0.0
+    """Floor for λ while the guard is active, as an absolute value (not a fraction)."""
+
+    def validate(self) -> None:
+        if self.rise_threshold <= 0:
+            raise ValueError(f"entropy_guard.rise_threshold must be > 0, got {self.rise_threshold}")
+        if not 0.0 <= self.smoothing < 1.0:
+            raise ValueError(f"entropy_guard.smoothing must be in [0, 1), got {self.smoothing}")
+        if not 0.0 < self.decay_factor < 1.0:
+            raise ValueError(f"entropy_guard.decay_factor must be in (0, 1), got {self.decay_factor}")
+        if not 0.0 < self.recover_rate <= 1.0:
+            raise ValueError(f"entropy_guard.recover_rate must be in (0, 1], got {self.recover_rate}")
+        if self.min_coef < 0:
+            raise ValueError(f"entropy_guard.min_coef must be >= 0, got {self.min_coef}")
+
+
+@dataclass
+class ObjectiveConfig:
+    """L(θ) = L_GRPO(θ) + λ · mean_rollouts( mean_tokens( gate · KL ) ), switched by ``mode``."""
+
+    mode: str = "tg"
+    """One of: "tg" (GRPO + KL on turns that failed ≥1 criterion; the paper's method),
+    "grpo" (no KL term), "opsd" (KL on every assistant turn, ungated, and only
+    ``primary_criteria`` enter the reward: the style criteria teach through the KL alone; the
+    on-policy self-distillation baseline of paper §5.2-5.3 and of the FACTS.md prototype),
+    "always_on" (KL on every assistant turn, failing or not; paper §5.3 ablation),
+    "no_thinking" (tg, but no KL on thinking tokens; paper §5.4 / Fig. 7 ablation)."""
+
+    kl_coef: float = 0.1
+    """λ. The paper sweeps it and reports that large values spike entropy and then collapse the
+    pass rate (§5.4, Fig. 6), while a static low value is stable. The KL is averaged per token,
+    and a per-token GRPO surrogate is O(|advantage|) ≈ 1, so 0.1 keeps distillation below the
+    RL signal by default; recipes should sweep it (in the FACTS.md toy, forward KL learned at
+    λ=1, while reverse KL collapsed at 1 and did not move in 80 steps at 0.1-0.3)."""
+
+    kl_direction: str = "reverse"
+    """"reverse" = KL(π_θ ‖ sg π_expert), the paper's equation; "forward" = KL(sg π_expert ‖ π_θ)
+    (the direction that learned in the prototype where reverse collapsed, see FACTS.md);
+    "jsd" = generalised Jensen-Shannon with ``jsd_beta`` (β→0 behaves like forward, β→1 like
+    reverse; exact convention in ``megatron_tg/ops/kl.py``)."""
+
+    jsd_beta: float = 0.5
+    """β of the generalised JSD; mixture m = β·p_expert + (1-β)·p_student, loss =
+    β·KL(p_expert ‖ m) + (1-β)·KL(p_student ‖ m). Only used when kl_direction == "jsd"."""
+
+    distill_thinking: bool = True
+    """Apply the KL on thinking tokens too. The paper finds this crucial against oscillation
+    between criteria (§5.4, Fig. 7). mode="no_thinking" forces it off."""
+
+    kl_token_normalization: str = "rollout_gated"
+    """Denominator of a rollout's KL average: "rollout_gated" = that rollout's gated tokens
+    (default: the mean KL over its failing turns' tokens, so a long failing turn cannot
+    outweigh a short one), "rollout_assistant" = all assistant tokens of the rollout (a rollout
+    whose failing turn is a small part of it gets a smaller push), "global" = the step's total
+    gated tokens (no per-rollout averaging; long rollouts weigh more). The per-rollout means
+    are then averaged over *all* rollouts of the step (those without gated tokens count 0), the
+    same denominator as the GRPO term, so the KL pressure fades as failures become rare, as the
+    paper's Σ_{t∈F} does."""
+
+    pg_token_normalization: str = "rollout"
+    """GRPO token aggregation: "rollout" = mean over each rollout's assistant tokens, then mean
+    over rollouts (GRPO's 1/|o_i|, the same weighting as the KL term so λ keeps one meaning);
+    "global" = sum over all assistant tokens / their count in the step (DAPO token-level)."""
+
+    clip_eps_low: float = 0.2
+    """PPO ratio clip, lower side: ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high]."""
+
+    clip_eps_high: float = 0.28
+    """PPO ratio clip, upper side. 0.28 > 0.2 ("clip-higher", DAPO) leaves room for raising
+    low-probability tokens, the exploratory direction targeted guidance pushes towards."""
+
+    tis_cap: float = 2.0
+    """C of truncated importance sampling: the per-token, stop-gradient weight
+    min(exp(logp_old − logp_behaviour), C) corrects the gap between the rollout engine's
+    log-probs (behaviour: other kernels, a few weight versions stale) and the trainer's
+    recomputed ``old_logprobs``. Applies only when the batch carries ``old_logprobs``; without
+    them the PPO ratio is taken against the behaviour log-probs directly. <= 0 disables it."""
+
+    advantage_std_norm: bool = True
+    """Divide group-centred rewards by the group's std (GRPO). False = Dr.GRPO-style centring only."""
+
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing, so an all-equal group gives advantage 0, not NaN."""
+
+    criterion_weights: Dict[str, float] = field(default_factory=dict)
+    """Reward weight λ_i per criterion name; R = Σ_i w_i R_i. Criteria not listed weigh 1.0."""
+
+    primary_criteria: List[str] = field(default_factory=lambda: ["tests_pass"])
+    """Criteria that always count in the reward. In mode "opsd" these are the only ones that do."""
+
+    expert: str = "shared"
+    """Weights the expert forward runs with: "shared" = the live policy (paper), "frozen" = the
+    initial policy, "ema" = an exponential moving average of the policy (FACTS.md: the shared
+    expert degraded in the prototype; the alternatives are untested candidates)."""
+
+    ema_decay: float = 0.99
+    """Per-step decay of the EMA expert's weights (expert == "ema" only)."""
+
+    expert_sequence: str = "shared"
+    """How feedback enters the expert context: "shared" = one expert sequence per rollout with
+    every failing turn's feedback inserted right before that turn (one extra forward pass, as
+    the paper costs it; later turns also see earlier feedback — a small deviation), "exact" =
+    one expert sequence per failing turn holding only that turn's feedback (the paper's
+    μ(·|s_t, f_t) exactly; one forward pass per failing turn)."""
+
+    logits_chunk_size: int = 1024
+    """Tokens per chunk in the vocab-parallel ops: peak extra memory ≈ chunk × V/TP floats."""
+
+    entropy_guard: EntropyGuardConfig = field(default_factory=EntropyGuardConfig)
+    """Optional λ back-off controller on entropy spikes (off by default)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        for name, allowed in (("mode", MODES), ("kl_direction", KL_DIRECTIONS),
+                              ("kl_token_normalization", KL_TOKEN_NORMALIZATIONS),
+                              ("pg_token_normalization", PG_TOKEN_NORMALIZATIONS),
+                              ("expert", EXPERTS), ("expert_sequence", EXPERT_SEQUENCES)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"objective.{name} must be one of {allowed}, got {value!r}")
+        if self.kl_coef < 0:
+            raise ValueError(f"objective.kl_coef must be >= 0, got {self.kl_coef}")
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise ValueError(f"objective.jsd_beta must be in [0, 1], got {self.jsd_beta}")
+        if not 0.0 <= self.clip_eps_low < 1.0:
+            raise ValueError(f"objective.clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
+        if self.clip_eps_high < 0:
+            raise ValueError(f"objective.clip_eps_high must be >= 0, got {self.clip_eps_high}")
+        if self.adv_eps <= 0:
+            raise ValueError(f"objective.adv_eps must be > 0, got {self.adv_eps}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"objective.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.logits_chunk_size < 1:
+            raise ValueError(f"objective.logits_chunk_size must be >= 1, got {self.logits_chunk_size}")
+        for name, w in self.criterion_weights.items():
+            if not isinstance(w, (int, float)):
+                raise ValueError(f"objective.criterion_weights[{name!r}] must be a number, got {w!r}")
+        self.entropy_guard.validate()

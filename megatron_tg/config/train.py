@@ -1,0 +1,98 @@
+"""Optimizer, checkpointing and logging: the parts of a run that do not depend on the method."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_tg.config.base import check_range
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam(W) with linear warm-up to a constant learning rate (the paper uses a constant lr)."""
+
+    lr: float = 3e-6
+    """Peak learning rate after warm-up (paper: Adam, 3e-6)."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW); 0 = plain Adam as in the paper."""
+
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
+
+    eps: float = 1e-8
+    """Adam's denominator epsilon."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this; 0 = no clipping."""
+
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+
+    micro_batch_tokens: int = 8192
+    """Token budget of one packed micro-batch per data-parallel rank; rollouts are packed up to
+    it and gradients accumulate over micro-batches. Must hold one model.seq_length sequence."""
+
+    def validate(self) -> None:
+        check_range("optimizer.lr", self.lr, gt=0)
+        check_range("optimizer.weight_decay", self.weight_decay, ge=0)
+        check_range("optimizer.adam_beta1", self.adam_beta1, ge=0, lt=1)
+        check_range("optimizer.adam_beta2", self.adam_beta2, ge=0, lt=1)
+        check_range("optimizer.eps", self.eps, gt=0)
+        check_range("optimizer.grad_clip", self.grad_clip, ge=0)
+        check_range("optimizer.warmup_steps", self.warmup_steps, ge=0)
+        check_range("optimizer.micro_batch_tokens", self.micro_batch_tokens, ge=1)
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and how often the trainer state is saved, and whether a run resumes from it."""
+
+    dir: str = "${logging.run_dir}/checkpoints"
+    """Checkpoint root; one ``step_<N>`` directory per save. Defaults to inside the run dir."""
+
+    interval: int = 50
+    """Save every this many optimizer steps (the last step is always saved); 0 = only the last."""
+
+    keep_last: int = 3
+    """Checkpoints kept on disk, oldest deleted first; 0 = keep all."""
+
+    resume: bool = True
+    """Continue from the newest complete checkpoint in ``dir`` when there is one."""
+
+    save_on_signal: bool = True
+    """Save before exiting on SIGUSR1/SIGTERM (Slurm's pre-emption warning), then requeue."""
+
+    def validate(self) -> None:
+        check_range("checkpoint.interval", self.interval, ge=0)
+        check_range("checkpoint.keep_last", self.keep_last, ge=0)
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go. Every sink writes under ``run_dir``, next to the saved config."""
+
+    run_dir: str = "runs/${run_name}"
+    """Directory of this run: resolved config, metrics, checkpoints (by default)."""
+
+    jsonl: bool = True
+    """Append one JSON object per step to ``run_dir/metrics.jsonl``."""
+
+    tensorboard: bool = False
+    """Also write TensorBoard event files to ``run_dir/tb``."""
+
+    wandb_project: Optional[str] = None
+    """Weights & Biases project to log to; None = no W&B."""
+
+    log_interval: int = 1
+    """Log every this many optimizer steps."""
+
+    progress_bar: bool = True
+    """Show a tqdm bar on rank 0 (turn off for batch jobs whose log is a file)."""
+
+    def validate(self) -> None:
+        check_range("logging.log_interval", self.log_interval, ge=1)

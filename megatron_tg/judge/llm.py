@@ -1,0 +1,266 @@
+"""LLM judge: one request per rollout to an OpenAI-compatible ``/v1/chat/completions``.
+
+The request carries the rubric's LLM criteria, the numbered transcript and the privileged task
+information, and asks for::
+
+    {"criteria": {"<name>": {"pass": bool, "failing_turns": [int], "feedback": str | null}}}
+
+Failure policy (a judge must never turn an outage into rewards): timeouts, connection errors
+and HTTP 408/425/429/5xx are retried with exponential backoff (+ jitter, honouring
+``Retry-After``); a reply that is not JSON, omits a criterion or is ill-typed counts as a
+failed attempt too (sampling may fix it). When attempts run out :class:`LLMJudgeError` is
+raised, which the :class:`~megatron_tg.judge.judge.Judge` records as the rollout's
+``judge_error`` (the rollout is then excluded from training). Other HTTP errors (400, 401,
+404...) are configuration errors and are not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import aiohttp
+
+from megatron_tg.judge.rubric import Criterion
+
+RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+_SCOPE_TEXT = {
+    "final_turn": "judge the final assistant turn only",
+    "every_turn": "every assistant turn must satisfy it; list each turn that does not",
+    "any_tool_call": "every tool call must satisfy it; list each turn with a violating call",
+    "rollout": "judge the whole transcript",
+}
+
+SYSTEM_PROMPT = (
+    "You are a strict, impartial grader of coding-agent transcripts. You get privileged "
+    "information about the task that the agent did not see, a list of criteria and the "
+    "transcript. Decide each criterion independently from the transcript's evidence. Reply "
+    "with ONLY one JSON object, no prose, no code fences."
+)
+
+
+@dataclass
+class LLMJudgeConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    """Server root; ``/v1/chat/completions`` is appended (a trailing ``/v1`` is accepted)."""
+    model: str = "judge"
+    api_key_env: str | None = None
+    """Name of the environment variable holding the API key (keys never go in config files)."""
+    timeout_s: float = 120.0
+    max_attempts: int = 4
+    backoff_s: float = 1.0
+    """Delay before retry n (0-based) is ``min(backoff_s * 2**n, backoff_max_s)`` ± jitter."""
+    backoff_max_s: float = 30.0
+    jitter: float = 0.1
+    temperature: float = 0.0
+    max_tokens: int = 2048
+    max_concurrency: int = 16
+    json_mode: bool = True
+    """Send ``response_format={"type": "json_object"}`` (vLLM/SGLang/OpenAI support it)."""
+    max_context_chars: int = 4000
+    """Per non-assistant transcript block (tool output etc.), cut in the middle beyond this."""
+
+    @property
+    def url(self) -> str:
+        base = self.base_url.rstrip("/")
+        base = base[:-3] if base.endswith("/v1") else base
+        return f"{base}/v1/chat/completions"
+
+
+@dataclass
+class LLMVerdict:
+    passed: bool
+    failing_turns: list[int]
+    feedback: str | None
+
+
+class LLMJudgeError(Exception):
+    """The judge gave no usable verdict (after retries): the rollout gets a judge_error."""
+
+
+class _InvalidReply(Exception):
+    pass
+
+
+class _Retryable(Exception):
+    def __init__(self, msg: str, retry_after: float | None = None):
+        super().__init__(msg)
+        self.retry_after = retry_after
+
+
+def build_messages(criteria: Sequence[Criterion], transcript: str, task_info: Any,
+                   n_turns: int) -> list[dict[str, str]]:
+    if isinstance(task_info, (dict, list)):
+        task_text = json.dumps(task_info, indent=2, ensure_ascii=False)
+    else:
+        task_text = "(none)" if task_info is None else str(task_info)
+    crit_lines = []
+    for c in criteria:
+        desc = f" ({c.description})" if c.description else ""
+        crit_lines.append(f'- "{c.name}" [{_SCOPE_TEXT[c.scope]}]: {c.checker.question}{desc}')
+    example = {"criteria": {c.name: {"pass": True, "failing_turns": [], "feedback": None}
+                            for c in criteria[:2]}}
+    user = (
+        "# Task (privileged information; the agent did not see this)\n"
+        f"{task_text}\n\n"
+        "# Criteria\n" + "\n".join(crit_lines) + "\n\n"
+        f"# Transcript ({n_turns} assistant turns, numbered 0 to {n_turns - 1})\n"
+        f"{transcript}\n\n"
+        "# Answer format\n"
+        'Return {"criteria": {"<criterion name>": {"pass": true or false, "failing_turns": '
+        '[assistant turn numbers that violate it], "feedback": "one sentence telling the agent '
+        'what to change, or null"}}} with every criterion above exactly once, e.g.\n'
+        f"{json.dumps(example)}"
+    )
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+_FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.S)
+
+
+def parse_reply(text: str, criteria: Sequence[Criterion], n_turns: int) -> dict[str, LLMVerdict]:
+    """Strictly validate the judge's JSON; raises _InvalidReply naming what is wrong."""
+    m = _FENCE.match(text)
+    body = m.group(1) if m else text.strip()
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise _InvalidReply(f"reply is not valid JSON ({e}): {text[:120]!r}") from e
+    if not isinstance(obj, dict) or not isinstance(obj.get("criteria"), dict):
+        raise _InvalidReply("reply has no 'criteria' object")
+    got = obj["criteria"]
+    out: dict[str, LLMVerdict] = {}
+    for c in criteria:
+        if c.name not in got:
+            raise _InvalidReply(f"reply omits criterion {c.name!r}")
+        v = got[c.name]
+        if not isinstance(v, dict) or not isinstance(v.get("pass"), bool):
+            raise _InvalidReply(f"criterion {c.name!r}: 'pass' must be true or false, got {v!r}")
+        turns = v.get("failing_turns") or []
+        if not isinstance(turns, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in turns):
+            raise _InvalidReply(f"criterion {c.name!r}: failing_turns must be a list of ints")
+        bad = [t for t in turns if not 0 <= t < n_turns]
+        if bad:
+            raise _InvalidReply(f"criterion {c.name!r}: failing turns {bad} out of range "
+                                f"(0..{n_turns - 1})")
+        fb = v.get("feedback")
+        if fb is not None and not isinstance(fb, str):
+            raise _InvalidReply(f"criterion {c.name!r}: feedback must be a string or null")
+        if not v["pass"] and not turns and c.scope in ("every_turn", "any_tool_call"):
+            raise _InvalidReply(f"criterion {c.name!r} failed but names no failing turn")
+        out[c.name] = LLMVerdict(v["pass"], [] if v["pass"] else sorted(set(turns)),
+                                 fb.strip() if isinstance(fb, str) and fb.strip() else None)
+    return out
+
+
+class LLMJudgeClient:
+    """Async client; use ``async with LLMJudgeClient(cfg) as c`` or call :meth:`close`."""
+
+    def __init__(self, config: LLMJudgeConfig, session: aiohttp.ClientSession | None = None,
+                 rng: random.Random | None = None):
+        self.config = config
+        self._headers()  # a missing API key is a configuration error: fail here, not per rollout
+        self._session = session
+        self._own_session = session is None
+        self._sem: asyncio.Semaphore | None = None
+        self._rng = rng or random.Random()
+        self.requests_sent = 0  # for logging / tests
+
+    async def __aenter__(self) -> "LLMJudgeClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        env = self.config.api_key_env
+        if env:
+            key = os.environ.get(env)
+            if not key:
+                raise LLMJudgeError(f"environment variable {env} (judge API key) is not set")
+            h["Authorization"] = f"Bearer {key}"
+        return h
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        cfg = self.config
+        d = min(cfg.backoff_s * (2 ** attempt), cfg.backoff_max_s)
+        d *= 1.0 + cfg.jitter * (2 * self._rng.random() - 1)
+        if retry_after is not None:
+            d = max(d, min(retry_after, cfg.backoff_max_s))
+        return max(d, 0.0)
+
+    async def evaluate(self, criteria: Sequence[Criterion], transcript: str, task_info: Any,
+                       n_turns: int) -> tuple[dict[str, LLMVerdict], str]:
+        """Returns (verdict per criterion, raw reply text) or raises LLMJudgeError."""
+        cfg = self.config
+        payload: dict[str, Any] = {
+            "model": cfg.model,
+            "messages": build_messages(criteria, transcript, task_info, n_turns),
+            "temperature": cfg.temperature,
+            "max_tokens": cfg.max_tokens,
+        }
+        if cfg.json_mode:
+            payload["response_format"] = {"type": "json_object"}
+        headers = self._headers()
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(cfg.max_concurrency)
+        errors: list[str] = []
+        for attempt in range(cfg.max_attempts):
+            retry_after = None
+            try:
+                async with self._sem:
+                    text = await self._post(payload, headers)
+                return parse_reply(text, criteria, n_turns), text
+            except _Retryable as e:
+                errors.append(str(e))
+                retry_after = e.retry_after
+            except _InvalidReply as e:
+                errors.append(f"invalid reply: {e}")
+            except asyncio.TimeoutError:
+                errors.append(f"timeout after {cfg.timeout_s}s")
+            except aiohttp.ClientError as e:
+                errors.append(f"{type(e).__name__}: {e}")
+            if attempt + 1 < cfg.max_attempts:
+                await asyncio.sleep(self._delay(attempt, retry_after))
+        raise LLMJudgeError(f"no valid verdict after {cfg.max_attempts} attempts: "
+                            + " | ".join(errors))
+
+    async def _post(self, payload: dict[str, Any], headers: dict[str, str]) -> str:
+        assert self._session is not None
+        self.requests_sent += 1
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+        async with self._session.post(self.config.url, json=payload, headers=headers,
+                                      timeout=timeout) as resp:
+            body = await resp.text()
+            if resp.status in RETRY_STATUSES:
+                ra = resp.headers.get("Retry-After")
+                try:
+                    retry_after = float(ra) if ra is not None else None
+                except ValueError:
+                    retry_after = None
+                raise _Retryable(f"HTTP {resp.status}: {body[:120]!r}", retry_after)
+            if resp.status != 200:
+                raise LLMJudgeError(f"HTTP {resp.status} (not retried): {body[:200]!r}")
+        try:
+            data = json.loads(body)
+            content = data["choices"][0]["message"]["content"]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            raise _InvalidReply(f"not an OpenAI chat completion: {body[:120]!r}") from e
+        if not isinstance(content, str):
+            raise _InvalidReply("completion has no text content")
+        return content

@@ -1,0 +1,43 @@
+"""Command line: ``python -m megatron_tg.rollout.engine --model DIR --port N``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Embedded CPU engine with SGLang's HTTP API")
+    ap.add_argument("--model", "--model-path", dest="model", required=True, help="HF model directory")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--max-running-requests", type=int, default=64, help="rows in the running batch")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed for requests without sampling_seed")
+    ap.add_argument("--weight-version", default="default", help="initial weight version (SGLang's default)")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    ap.add_argument("--attn-implementation", default=None, help="e.g. sdpa or eager (default: transformers')")
+    ap.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "INFO"))
+    args = ap.parse_args(argv)
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
+    import torch
+    from aiohttp import web
+
+    from .server import EngineServer
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    server = EngineServer(
+        args.model,
+        max_running=args.max_running_requests,
+        seed=args.seed,
+        weight_version=args.weight_version,
+        attn_implementation=args.attn_implementation,
+    )
+    logging.getLogger(__name__).info("serving %s on http://%s:%d", args.model, args.host, args.port)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

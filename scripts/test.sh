@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The project's test command (README, CI): bring the dev venv up to date, then run pytest.
+#
+#   bash scripts/test.sh                         # every test under tests/
+#   bash scripts/test.sh tests/config -k merge   # arguments go to pytest unchanged
+#
+# With no paths given pytest runs pyproject's testpaths (tests/). VENV and PYTHON are
+# passed on to scripts/setup.sh.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="${VENV:-$root/.venv}"
+
+bash scripts/setup.sh --dev
+
+echo "+ $venv/bin/python -m pytest $*"
+rc=0
+"$venv/bin/python" -m pytest "$@" || rc=$?
+if [ "$rc" -eq 5 ]; then
+  # pytest's "no tests collected": a wrong path or filter, not a pass.
+  echo "test.sh: pytest collected no tests (exit 5); check the paths and -k/-m filters" >&2
+  exit 1
+fi
+exit "$rc"

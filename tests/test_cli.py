@@ -1,0 +1,112 @@
+"""The ``megatron-tg`` CLI, run as a user runs it: a subprocess, output parsed back."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_tg.cli import SUBCOMMANDS
+from megatron_tg.config import load_config, to_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "recipes/tiny_cpu.yaml"
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    return subprocess.run([sys.executable, "-m", "megatron_tg.cli", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=120, env={**base, **(env or {})})
+
+
+def test_config_prints_the_resolved_config_only():
+    out = cli("config", "--recipe", TINY, "objective.kl_coef=0.3")
+    assert out.returncode == 0, out.stderr
+    docs = list(yaml.safe_load_all(out.stdout))
+    assert docs == [yaml.safe_load(to_yaml(load_config(TINY, ["objective.kl_coef=0.3"])))]
+    assert docs[0]["objective"]["kl_coef"] == 0.3
+
+
+def test_dry_run_prints_config_and_layout_with_rank_groups():
+    out = cli("config", "--recipe", TINY, "--dry-run", "--world-size", "4", "parallel.ep=2")
+    assert out.returncode == 0, out.stderr
+    config, layout = yaml.safe_load_all(out.stdout)
+    assert config["parallel"]["ep"] == 2 and config["run_name"] == "tiny_cpu"
+    layout = layout["layout"]
+    assert layout["sizes"] == {"world_size": 4, "tp": 1, "cp": 1, "ep": 2, "pp": 1, "dp": 4,
+                               "etp": 1, "edp": 2}
+    assert layout["groups"]["ep"] == [[0, 1], [2, 3]]
+    assert layout["groups"]["edp"] == [[0, 2], [1, 3]]
+    assert layout["groups"]["dp"] == [[0, 1, 2, 3]]
+    assert "parallel layout for 4 ranks (--world-size)" in out.stdout
+
+
+def test_overrides_may_come_before_and_after_options():
+    out = cli("config", "--recipe", TINY, "objective.kl_coef=0.2", "--dry-run", "parallel.ep=2",
+              "--world-size", "2", "seed=3")
+    assert out.returncode == 0, out.stderr
+    config, layout = yaml.safe_load_all(out.stdout)
+    assert (config["objective"]["kl_coef"], config["parallel"]["ep"], config["seed"]) == (0.2, 2, 3)
+    assert layout["layout"]["sizes"]["world_size"] == 2
+    out = cli("config", "--recipe", TINY, "seed=3", "--dryrun")
+    assert out.returncode == 2 and "unrecognized arguments: --dryrun" in out.stderr
+
+
+def test_dry_run_world_size_from_env_then_from_recipe_nodes():
+    out = cli("config", "--recipe", TINY, "--dry-run", "parallel.tp=2", env={"WORLD_SIZE": "2"})
+    assert out.returncode == 0, out.stderr
+    assert list(yaml.safe_load_all(out.stdout))[1]["layout"]["groups"]["tp"] == [[0, 1]]
+    out = cli("config", "--recipe", "recipes/tg_235b.yaml", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    layout = list(yaml.safe_load_all(out.stdout))[1]["layout"]
+    assert layout["sizes"]["world_size"] == 128 and layout["gpus"]["total"] == 128 + 64
+    assert "not listed" in layout["groups"]  # 128 ranks is too many to print
+
+
+@pytest.mark.parametrize("args, message", [
+    (("parallel.tpp=2",), "unknown key 'parallel.tpp'"),
+    (("parallel.tp=two",), "parallel.tp: expected int, got 'two'"),
+    (("--dry-run", "--world-size", "3", "parallel.ep=2"), "world_size=3 is not divisible"),
+])
+def test_bad_input_exits_2_with_one_line_and_no_traceback(args, message):
+    out = cli("config", "--recipe", TINY, *args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert out.stdout == ""  # nothing half-printed
+
+
+def test_help_is_lazy_and_lists_subcommands():
+    code = ("import sys\nfrom megatron_tg import cli\n"
+            "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('HEAVY', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'omegaconf'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout
+    for name in SUBCOMMANDS:
+        assert name in out.stdout
+
+
+def test_subcommand_help_shows_its_own_options():
+    out = cli("config", "--help")
+    assert out.returncode == 0 and "--dry-run" in out.stdout and "--world-size" in out.stdout
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_registered_modules_provide_add_arguments_and_run(name):
+    module = importlib.import_module(SUBCOMMANDS[name].module)
+    assert callable(module.add_arguments) and callable(module.run)
+
+
+def test_console_script_is_installed_and_runs():
+    script = Path(sys.executable).with_name("megatron-tg")
+    if not script.exists():
+        pytest.skip("megatron-tg console script not installed next to this interpreter")
+    out = subprocess.run([str(script), "config", "--recipe", TINY, "--dry-run"], cwd=ROOT, text=True,
+                         capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "layout:" in out.stdout
