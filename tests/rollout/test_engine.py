@@ -211,8 +211,11 @@ def test_abort_mid_generation(http_call, engine):
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_pause_and_continue(http_call, engine, mode):
-    ref = gen(http_call, engine, temperature=0, max_new_tokens=500, ignore_eos=True)["output_ids"]
-    t, box = _run_in_thread(lambda: gen(http_call, engine, temperature=0, max_new_tokens=500, ignore_eos=True))
+    # Long enough that the request cannot finish between "running" and the pause even on a
+    # loaded machine (the tiny model makes ~700 tokens/s alone).
+    n = 2000
+    ref = gen(http_call, engine, temperature=0, max_new_tokens=n, ignore_eos=True)["output_ids"]
+    t, box = _run_in_thread(lambda: gen(http_call, engine, temperature=0, max_new_tokens=n, ignore_eos=True))
     _wait_running(http_call, engine)
     assert http_call(engine.url, "/pause_generation", {"mode": mode})[1]["status"] == "ok"
     s1 = steps(http_call, engine)

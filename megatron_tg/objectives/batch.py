@@ -1,0 +1,126 @@
+"""The loss's input: one packed micro-batch, flattened to the positions that carry a loss.
+
+Layout. Megatron's output layer (ColumnParallelLinear, ``parallel_output=True``) produces
+sequence-first logits ``[S, B, Vs]`` (Vs = padded vocabulary / TP) from hidden states
+``[S, B, H]``; ``GPTModel.forward(labels=None)`` returns them transposed to ``[B, S, Vs]``.
+Position s predicts the token at s+1. The loss only needs rows whose *predicted* token is an
+assistant token (thinking or tool call); those N rows are selected once, flattening the first
+two dims in whatever layout the tensor has (row i·D1 + j of a ``[D0, D1, *]`` tensor; for a
+contiguous tensor that reshape is a view, so selecting rows is one gather). The mask must be
+in the same layout as the tensor:
+
+    rows = flat_positions(predicts_assistant_mask)   # [N] long, from a [S, B] (or [B, S]) mask
+    logits = select_rows(logits_sbv, rows)            # [N, Vs]  (or hidden [N, H])
+    target_ids = select_rows(next_tokens, rows)       # [N]: the token each position predicts
+
+Every per-token field below is indexed by those N rows. Rollouts are numbered 0..R-1 within
+the micro-batch; ``rollout_index`` maps a row to its rollout, ``advantages`` is per rollout.
+
+Expert. The expert is needed only where ``gate > 0``: ``gate_index`` lists those G rows (in
+increasing order) and ``expert_logits`` holds the expert's logits at them, compacted to
+``[G, Vs]`` (or ``expert_hidden [G, H]`` for the fused path). The expert sequence differs from
+the student's (feedback inserted), so the trainer maps each gated student row to the expert
+position predicting the same token; that mapping is the trainer's, not the loss's.
+
+Normalisation across micro-batches. Rollout means and the rollout average must use counts of
+the whole optimizer step. When a rollout is split across micro-batches, or gradients are
+accumulated, pass ``rollout_assistant_tokens`` / ``rollout_gated_tokens`` (per local rollout,
+over the whole rollout), ``num_rollouts`` (rollouts in the accumulation window on this data-
+parallel rank) and the ``num_*_tokens`` totals; by default they are counted in this batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+def flat_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Flat indices ``i·D1 + j`` of the True entries of a [D0, D1] mask."""
+    return mask.reshape(-1).nonzero().squeeze(1)
+
+
+def select_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a ``[D0, D1, *]`` tensor at flat positions ``rows`` (differentiable)."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])[rows]
+
+
+@dataclass
+class PolicyBatch:
+    """One micro-batch in the flat N-row layout described in the module docstring."""
+
+    target_ids: torch.Tensor
+    """[N] long: the token each row predicts (global vocabulary id)."""
+    behaviour_logprobs: torch.Tensor
+    """[N]: log-prob of target_ids under the rollout engine's policy when it sampled."""
+    loss_mask: torch.Tensor
+    """[N] bool: assistant tokens (thinking + tool calls). Prompt/tool-output rows must be False."""
+    rollout_index: torch.Tensor
+    """[N] long in [0, R): the rollout of each row."""
+    advantages: torch.Tensor
+    """[R]: group-relative advantage per rollout (see ``rewards.group_advantages``)."""
+    gate: torch.Tensor
+    """[N] float: 1 where the KL applies (``guidance.build_gate``), else 0."""
+
+    logits: Optional[torch.Tensor] = None
+    """[N, Vs]: student logits, this TP rank's vocabulary shard. Either this or ``hidden``."""
+    hidden: Optional[torch.Tensor] = None
+    """[N, H]: student output-layer input (fused path; the logits are never materialised)."""
+    output_weight: Optional[torch.Tensor] = None
+    """[Vs, H]: output-layer weight shard (fused path)."""
+
+    gate_index: Optional[torch.Tensor] = None
+    """[G] long: rows with gate > 0, increasing. Derived from ``gate`` when None."""
+    expert_logits: Optional[torch.Tensor] = None
+    """[G, Vs]: expert logits at ``gate_index`` (stop-gradient)."""
+    expert_hidden: Optional[torch.Tensor] = None
+    """[G, H]: expert output-layer input at ``gate_index`` (fused path, stop-gradient)."""
+    expert_output_weight: Optional[torch.Tensor] = None
+    """[Vs, H]: the expert's output weight when it is not the student's (frozen/EMA expert)."""
+
+    old_logprobs: Optional[torch.Tensor] = None
+    """[N]: trainer-recomputed log-probs of the pre-update weights. With them, the PPO ratio is
+    taken against them and TIS corrects old vs behaviour; without, the ratio uses behaviour."""
+    vocab_size: Optional[int] = None
+    """True vocabulary size (columns beyond it are padding)."""
+
+    rollout_assistant_tokens: Optional[torch.Tensor] = None
+    """[R]: assistant tokens of each rollout over the whole step (default: counted here)."""
+    rollout_gated_tokens: Optional[torch.Tensor] = None
+    """[R]: Σ gate of each rollout over the whole step (default: counted here)."""
+    num_rollouts: Optional[float] = None
+    """Denominator of the rollout average (default: R)."""
+    num_assistant_tokens: Optional[float] = None
+    """Step total of assistant tokens, for token-level ("global") GRPO (default: counted here)."""
+    num_gated_tokens: Optional[float] = None
+    """Step total of Σ gate, for kl_token_normalization="global" (default: counted here)."""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.target_ids.shape[0])
+
+    def resolved_gate_index(self) -> torch.Tensor:
+        if self.gate_index is not None:
+            return self.gate_index
+        return (self.gate > 0).nonzero().squeeze(1)
+
+    def validate(self) -> None:
+        """Shape checks that catch layout mistakes early (cheap; no device sync beyond sizes)."""
+        n = self.num_rows
+        for name in ("behaviour_logprobs", "loss_mask", "rollout_index", "gate"):
+            t = getattr(self, name)
+            if t.shape != (n,):
+                raise ValueError(f"PolicyBatch.{name} must be [{n}], got {tuple(t.shape)}")
+        if self.old_logprobs is not None and self.old_logprobs.shape != (n,):
+            raise ValueError(f"PolicyBatch.old_logprobs must be [{n}], got {tuple(self.old_logprobs.shape)}")
+        if (self.logits is None) == (self.hidden is None):
+            raise ValueError("PolicyBatch needs exactly one of logits or hidden")
+        if self.hidden is not None and self.output_weight is None:
+            raise ValueError("PolicyBatch.hidden needs output_weight")
+        rows = self.logits if self.logits is not None else self.hidden
+        if rows.shape[0] != n:
+            raise ValueError(f"PolicyBatch student rows {rows.shape[0]} != target_ids {n}")
+        if self.advantages.ndim != 1:
+            raise ValueError(f"PolicyBatch.advantages must be [R], got {tuple(self.advantages.shape)}")

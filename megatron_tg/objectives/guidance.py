@@ -1,0 +1,126 @@
+"""Failure-gated full-vocabulary KL to the feedback-conditioned expert (targeted guidance).
+
+Math contract (paper §4, eq. for L(θ)):
+
+* Estimator: per assistant token t, the exact full-vocabulary divergence
+  D_t = D(π_θ(·|s_t), sg π_e(·|s_t, f)) computed on the sharded vocabulary
+  (:func:`megatron_tg.ops.vocab_parallel_kl`), D = KL(π_θ ‖ π_e) ("reverse", the paper's),
+  KL(π_e ‖ π_θ) ("forward") or the β-JSD ("jsd"); ``kl_direction``. No sampling estimator.
+  The expert is stop-gradient: its logits are detached and receive no gradient.
+* Gate g_t ∈ {0, 1} (:func:`build_gate`): 1 on assistant tokens of turns that failed ≥1
+  criterion (mode "tg"); of every assistant turn ("always_on", "opsd"); thinking tokens get
+  0 unless thinking is distilled (``distill_thinking`` and mode != "no_thinking").
+* Token normalisation, ``kl_token_normalization`` (default "rollout_gated"):
+  per rollout i, K_i = Σ_{t∈i} g_t D_t / n_i with n_i = Σ_{t∈i} g_t ("rollout_gated") or
+  n_i = |assistant tokens of i| ("rollout_assistant"); K_i = 0 when n_i = 0. Then
+  L_KL = (1/N_rollouts) Σ_i K_i over *all* rollouts (the GRPO term's denominator).
+  "global": L_KL = Σ_t g_t D_t / Σ_t g_t over the step (no per-rollout averaging).
+* The term enters the loss as λ · L_KL (λ = ``kl_coef``, possibly lowered by the entropy
+  guard). When no token is gated the term is *absent* (not 0·something), so the loss equals
+  the GRPO loss bitwise, as the paper's unbiasedness argument requires.
+
+Deviations from the paper: the paper sums over failing turns t ∈ F; here each rollout's sum is
+divided by its (gated) token count so a long failing turn cannot dominate, then averaged over
+rollouts; the expert context may carry earlier turns' feedback too (``expert_sequence``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_tg.config.objective import ObjectiveConfig
+from megatron_tg.objectives.batch import PolicyBatch
+from megatron_tg.objectives.grpo import per_rollout_sum
+from megatron_tg.objectives.modes import mode_switches
+from megatron_tg.ops import fused_vocab_parallel_kl_loss, vocab_parallel_kl
+
+
+def build_gate(loss_mask: torch.Tensor, failed_turn_mask: torch.Tensor,
+               thinking_mask: Optional[torch.Tensor], cfg: ObjectiveConfig) -> torch.Tensor:
+    """Per-row KL gate (float 0/1) from the rollout's structure and the mode.
+
+    ``failed_turn_mask`` marks rows of agent turns that failed ≥1 criterion; ``thinking_mask``
+    marks thinking-token rows (None = no thinking tokens). The trainer calls this before the
+    expert forward pass, so the expert is only evaluated where the gate is 1.
+    """
+    sw = mode_switches(cfg)
+    gate = loss_mask.bool()
+    if not sw.kl:
+        gate = torch.zeros_like(gate)
+    elif sw.failing_turns_only:
+        gate = gate & failed_turn_mask.bool()
+    if thinking_mask is not None and not sw.kl_on_thinking:
+        gate = gate & ~thinking_mask.bool()
+    return gate.float()
+
+
+def kl_token_weights(batch: PolicyBatch, cfg: ObjectiveConfig, gate_index: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """w_t for the G gated rows such that L_KL = Σ_t w_t D_t (the normalisation above).
+
+    The weights do not depend on D, so the fused op can fold them into its gradient.
+    """
+    mask = batch.loss_mask.to(dtype)
+    # Gate re-masked by loss_mask: a gate on a non-assistant row is a caller bug that must
+    # not leak prompt/tool-output tokens into the loss.
+    gate = batch.gate.to(dtype) * mask
+    num_rollouts = batch.advantages.shape[0]
+    if cfg.kl_token_normalization == "global":
+        total = batch.num_gated_tokens if batch.num_gated_tokens is not None else gate.sum()
+        return gate[gate_index] / torch.as_tensor(total, dtype=dtype).clamp(min=1e-12)
+    if cfg.kl_token_normalization == "rollout_gated":
+        denom = batch.rollout_gated_tokens
+        if denom is None:
+            denom = per_rollout_sum(gate, batch.rollout_index, num_rollouts)
+    else:
+        denom = batch.rollout_assistant_tokens
+        if denom is None:
+            denom = per_rollout_sum(mask, batch.rollout_index, num_rollouts)
+    denom = denom.to(dtype)[batch.rollout_index[gate_index]]
+    rollouts = float(max(batch.num_rollouts or num_rollouts, 1))
+    # A gated row implies its rollout's count is > 0; the clamp only guards bad step totals.
+    return gate[gate_index] / denom.clamp(min=1e-12) / rollouts
+
+
+def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist.ProcessGroup] = None,
+                  *, reduce_hidden_grad: bool = True
+                  ) -> tuple[Optional[torch.Tensor], dict[str, torch.Tensor]]:
+    """(L_KL or None when no row is gated, metrics). λ is applied by the caller."""
+    gate_index = batch.resolved_gate_index()
+    student = batch.logits if batch.logits is not None else batch.hidden
+    dtype = torch.promote_types(student.dtype, torch.float32)
+    mask = batch.loss_mask.to(dtype)
+    gate = batch.gate.to(dtype) * mask
+    metrics = {"kl/frac_gated": gate.sum() / mask.sum().clamp(min=1.0)}
+    g = gate_index.numel()
+    if g == 0:
+        metrics["kl/mean_gated"] = torch.zeros((), dtype=dtype)
+        return None, metrics
+
+    weights = kl_token_weights(batch, cfg, gate_index, dtype)
+    kw = dict(vocab_size=batch.vocab_size, direction=cfg.kl_direction, beta=cfg.jsd_beta,
+              chunk_size=cfg.logits_chunk_size)
+    if batch.logits is not None:
+        if batch.expert_logits is None or batch.expert_logits.shape[0] != g:
+            raise ValueError(f"expert_logits must hold the {g} gated rows, got "
+                             f"{None if batch.expert_logits is None else tuple(batch.expert_logits.shape)}")
+        kl = vocab_parallel_kl(batch.logits[gate_index], batch.expert_logits, group, **kw)
+        term = (kl * weights).sum()
+    else:
+        if batch.expert_hidden is None or batch.expert_hidden.shape[0] != g:
+            raise ValueError(f"expert_hidden must hold the {g} gated rows, got "
+                             f"{None if batch.expert_hidden is None else tuple(batch.expert_hidden.shape)}")
+        # Weights are known before the divergence: the fused op computes the gradient in its
+        # forward pass and never recomputes the logits.
+        term, kl = fused_vocab_parallel_kl_loss(
+            batch.hidden[gate_index], batch.expert_hidden, batch.output_weight, weights, group,
+            expert_weight_shard=batch.expert_output_weight, reduce_hidden_grad=reduce_hidden_grad,
+            **kw)
+
+    with torch.no_grad():
+        gate_w = gate[gate_index]
+        metrics["kl/mean_gated"] = (kl * gate_w).sum() / gate_w.sum().clamp(min=1e-12)
+    return term, metrics

@@ -1,0 +1,45 @@
+"""What each ``ObjectiveConfig.mode`` switches, in one table (and one place in the code).
+
+===========  =======  =================  ================  ======================
+mode         KL term  KL on which turns  thinking tokens   criteria in the reward
+===========  =======  =================  ================  ======================
+tg           yes      failing turns      distill_thinking  all (weighted)
+grpo         no       —                  —                 all (weighted)
+opsd         yes      every turn         distill_thinking  primary_criteria only
+always_on    yes      every turn         distill_thinking  all (weighted)
+no_thinking  yes      failing turns      never             all (weighted)
+===========  =======  =================  ================  ======================
+
+"opsd" is ungated on purpose: it is the prior-work baseline (global privileged context, no
+failure gating) that the paper compares against, as in the FACTS.md prototype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_tg.config.objective import ObjectiveConfig
+
+
+@dataclass(frozen=True)
+class ModeSwitches:
+    kl: bool
+    """Whether the loss has a KL term at all."""
+    failing_turns_only: bool
+    """Gate the KL to turns that failed ≥1 criterion (else every assistant turn)."""
+    kl_on_thinking: bool
+    """Whether thinking tokens are distilled."""
+    primary_rewards_only: bool
+    """Drop every non-primary criterion from the scalar reward."""
+
+
+def mode_switches(cfg: ObjectiveConfig) -> ModeSwitches:
+    mode = cfg.mode
+    if mode not in ("tg", "grpo", "opsd", "always_on", "no_thinking"):
+        raise ValueError(f"objective.mode: unknown mode {mode!r}")
+    return ModeSwitches(
+        kl=mode != "grpo",
+        failing_turns_only=mode in ("tg", "no_thinking"),
+        kl_on_thinking=cfg.distill_thinking and mode != "no_thinking",
+        primary_rewards_only=mode == "opsd",
+    )

@@ -1,0 +1,194 @@
+"""Per-chunk math of the vocab-parallel ops: forward statistics and hand-written gradients.
+
+Every kernel sees one chunk of rows, sliced to this rank's *valid* vocabulary columns, in the
+compute dtype (≥ fp32). Log-probabilities are always formed as ``z - lse`` (finite for finite
+logits) and never as ``log(p)``, so ±1e4 logits cannot produce ``0 · -inf``. Products
+``p · (...)`` are zeroed where ``p == 0`` so that -inf logits (masked tokens) are also safe.
+
+A forward returns ``(value [c], saved)`` where ``saved`` is a tuple of per-row tensors that
+the backward needs; they are already reduced across ranks, so no backward issues a collective.
+
+Conventions (all per token, natural log):
+
+* logprob  : log p(y) = z_y - lse(z).
+* entropy  : H(p) = -Σ p log p;                    ∂H/∂z = -p ⊙ (log p + H).
+* reverse  : KL(p_s ‖ p_e) = Σ p_s (log p_s - log p_e); ∂/∂z_s = p_s ⊙ (log p_s - log p_e - KL).
+* forward  : KL(p_e ‖ p_s) = Σ p_e (log p_e - log p_s); ∂/∂z_s = p_s - p_e.
+* jsd (β)  : m = β p_e + (1-β) p_s,
+             JSD_β = β KL(p_e ‖ m) + (1-β) KL(p_s ‖ m);
+             ∂/∂z_s = (1-β) p_s ⊙ (log(p_s/m) - KL(p_s ‖ m)).
+  (∂JSD/∂p_s,j = (1-β) log(p_s,j/m_j): the two "-p/m" terms cancel against the "+1"; then the
+  softmax Jacobian gives the centring by Σ p_s log(p_s/m) = KL(p_s ‖ m).) As β→0,
+  JSD_β/β → KL(p_e ‖ p_s) (forward); as β→1, JSD_β/(1-β) → KL(p_s ‖ p_e) (reverse).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from megatron_tg.ops._shard import VocabShard
+
+Saved = tuple[torch.Tensor, ...]
+
+
+def _zero_where_no_mass(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """x with entries where p == 0 set to 0 (in place): keeps 0 · ±inf out of the sums."""
+    return x.masked_fill_(p == 0, 0.0)
+
+
+class Kernel:
+    """One op's chunk math. ``uses_expert``: whether a second logits tensor is consumed."""
+
+    uses_expert = False
+
+    def forward(self, shard: VocabShard, zs: torch.Tensor, ze: Optional[torch.Tensor],
+                aux: Optional[torch.Tensor]) -> tuple[torch.Tensor, Saved]:
+        raise NotImplementedError
+
+    def backward(self, shard: VocabShard, zs: torch.Tensor, ze: Optional[torch.Tensor],
+                 aux: Optional[torch.Tensor], saved: Saved, g: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LogProbKernel(Kernel):
+    """log p(target). ``aux`` holds the global target ids of the chunk."""
+
+    def _local_target(self, shard: VocabShard, target: torch.Tensor):
+        local = target - shard.vocab_start
+        hit = (local >= 0) & (local < shard.n_valid)
+        return local.clamp(0, max(shard.n_valid - 1, 0)), hit
+
+    def forward(self, shard, zs, ze, aux):
+        m = shard.all_max(shard.local_max(zs))
+        z0 = zs - m[:, None]
+        idx, hit = self._local_target(shard, aux)
+        if shard.n_valid:
+            z_target = torch.where(hit, z0.gather(1, idx[:, None]).squeeze(1), 0.0)
+        else:
+            z_target = z0.new_zeros(z0.shape[0])
+        sum_exp = z0.exp_().sum(-1)
+        # One reduction carries both partial sums: Σ exp and the owner rank's target logit.
+        red = shard.all_sum(torch.stack([sum_exp, z_target], dim=-1))
+        log_s = red[:, 0].log()
+        return red[:, 1] - log_s, (m + log_s,)
+
+    def backward(self, shard, zs, ze, aux, saved, g):
+        (lse,) = saved
+        grad = (zs - lse[:, None]).exp_().mul_(-g[:, None])
+        if shard.n_valid:
+            idx, hit = self._local_target(shard, aux)
+            grad.scatter_add_(1, idx[:, None], torch.where(hit, g, 0.0)[:, None])
+        return grad
+
+
+class EntropyKernel(Kernel):
+    def forward(self, shard, zs, ze, aux):
+        m = shard.all_max(shard.local_max(zs))
+        z0 = zs - m[:, None]
+        e = z0.exp()
+        red = shard.all_sum(torch.stack([e.sum(-1), _zero_where_no_mass(z0.mul_(e), e).sum(-1)], -1))
+        s = red[:, 0]
+        h = s.log() - red[:, 1] / s  # H = log S - Σ p (z - m)
+        return h, (m + s.log(), h)
+
+    def backward(self, shard, zs, ze, aux, saved, g):
+        lse, h = saved
+        logp = zs - lse[:, None]
+        p = logp.exp()
+        return _zero_where_no_mass(logp.add_(h[:, None]).mul_(p), p).mul_(-g[:, None])
+
+
+class KLKernel(Kernel):
+    """KL in direction ``reverse`` (student ‖ expert) or ``forward`` (expert ‖ student)."""
+
+    uses_expert = True
+
+    def __init__(self, direction: str) -> None:
+        assert direction in ("reverse", "forward")
+        self.direction = direction
+
+    def forward(self, shard, zs, ze, aux):
+        maxes = shard.all_max(torch.stack([shard.local_max(zs), shard.local_max(ze)], -1))
+        ms, me = maxes[:, 0], maxes[:, 1]
+        zs0 = zs - ms[:, None]
+        ze0 = ze - me[:, None]
+        # Differences of max-shifted logits: large only where the KL itself is large, so the
+        # later "A/S - log S + log S'" does not cancel catastrophically (±1e4 logits).
+        diff = zs0 - ze0 if self.direction == "reverse" else ze0 - zs0
+        es, ee = zs0.exp_(), ze0.exp_()
+        weight = es if self.direction == "reverse" else ee
+        a = _zero_where_no_mass(diff.mul_(weight), weight).sum(-1)
+        red = shard.all_sum(torch.stack([es.sum(-1), ee.sum(-1), a], -1))
+        log_ss, log_se = red[:, 0].log(), red[:, 1].log()
+        if self.direction == "reverse":
+            kl = red[:, 2] / red[:, 0] - log_ss + log_se
+        else:
+            kl = red[:, 2] / red[:, 1] - log_se + log_ss
+        return kl, (ms + log_ss, me + log_se, kl)
+
+    def backward(self, shard, zs, ze, aux, saved, g):
+        lse_s, lse_e, kl = saved
+        lps = zs - lse_s[:, None]
+        lpe = ze - lse_e[:, None]
+        ps = lps.exp()
+        if self.direction == "forward":
+            return ps.sub_(lpe.exp_()).mul_(g[:, None])
+        grad = lps.sub_(lpe).sub_(kl[:, None]).mul_(ps)
+        return _zero_where_no_mass(grad, ps).mul_(g[:, None])
+
+
+class JSDKernel(Kernel):
+    """Generalised JSD with mixture m = β p_e + (1-β) p_s, for 0 < β < 1."""
+
+    uses_expert = True
+
+    def __init__(self, beta: float) -> None:
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"JSD beta must be in (0, 1) here, got {beta}")
+        self.beta = beta
+        self.log_b, self.log_1mb = math.log(beta), math.log1p(-beta)
+
+    def _log_probs(self, zs, ze, lse_s, lse_e):
+        lps = zs - lse_s[:, None]
+        lpe = ze - lse_e[:, None]
+        lm = torch.logaddexp(lpe + self.log_b, lps + self.log_1mb)
+        return lps, lpe, lm
+
+    def forward(self, shard, zs, ze, aux):
+        maxes = shard.all_max(torch.stack([shard.local_max(zs), shard.local_max(ze)], -1))
+        ms, me = maxes[:, 0], maxes[:, 1]
+        sums = shard.all_sum(torch.stack([(zs - ms[:, None]).exp_().sum(-1),
+                                          (ze - me[:, None]).exp_().sum(-1)], -1))
+        lse_s, lse_e = ms + sums[:, 0].log(), me + sums[:, 1].log()
+        lps, lpe, lm = self._log_probs(zs, ze, lse_s, lse_e)
+        ps, pe = lps.exp(), lpe.exp()
+        t_s = _zero_where_no_mass(lps.sub_(lm).mul_(ps), ps).sum(-1)
+        t_e = _zero_where_no_mass(lpe.sub_(lm).mul_(pe), pe).sum(-1)
+        terms = shard.all_sum(torch.stack([t_s, t_e], -1))
+        t_s, t_e = terms[:, 0], terms[:, 1]
+        return self.beta * t_e + (1.0 - self.beta) * t_s, (lse_s, lse_e, t_s)
+
+    def backward(self, shard, zs, ze, aux, saved, g):
+        lse_s, lse_e, kl_s_m = saved
+        lps, _, lm = self._log_probs(zs, ze, lse_s, lse_e)
+        ps = lps.exp()
+        grad = lps.sub_(lm).sub_(kl_s_m[:, None]).mul_(ps)
+        return _zero_where_no_mass(grad, ps).mul_(g[:, None] * (1.0 - self.beta))
+
+
+def kl_kernel(direction: str, beta: float) -> Kernel:
+    """The kernel for a KL ``direction``; jsd at β = 0 / 1 is forward / reverse KL exactly."""
+    if direction in ("reverse", "forward"):
+        return KLKernel(direction)
+    if direction == "jsd":
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"jsd beta must be in [0, 1], got {beta}")
+        if beta == 0.0:
+            return KLKernel("forward")
+        if beta == 1.0:
+            return KLKernel("reverse")
+        return JSDKernel(beta)
+    raise ValueError(f"direction must be 'reverse', 'forward' or 'jsd', got {direction!r}")

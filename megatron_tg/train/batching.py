@@ -1,0 +1,176 @@
+"""Judged rollouts -> packed micro-batches for the policy (student) and expert forward passes.
+
+Layout contract (what :mod:`megatron_tg.train.step` and the loss rely on):
+
+- Sequences are packed first-fit-decreasing into rows of at most ``row_tokens`` tokens; a row
+  is padded to a multiple of ``pad_multiple`` (TP, because sequence parallelism splits the
+  sequence). Packed sequences never attend to each other: the attention mask is block-
+  diagonal causal. RoPE needs no per-sequence offset because attention scores depend only
+  on relative positions, which a shared shift within a block leaves unchanged.
+- Student position ``p`` of a sequence predicts its token ``p + 1``; a row is in the loss iff
+  that token is an assistant token. Rows are addressed by flat index ``b * S + s`` into the
+  ``[B, S, ...]`` output of the policy.
+- The expert (feedback-conditioned) sequences are packed the same way. For every gated
+  student row predicting token ``i``, the expert row predicting the same token is
+  ``position_map[i] - 1`` of its expert sequence; ``expert_rows`` lists them in the order of
+  the student's gated rows (increasing flat index), so the expert's hidden states gathered
+  at ``expert_rows`` line up with ``gate_index``.
+
+Cost of the expert pass: ``shared`` mode packs one expert sequence per failing rollout,
+truncated after its last failing turn (≤ one extra forward over the failing rollouts);
+``exact`` packs one sequence per failing turn, each truncated after its turn (Σ_k prefix_k
+tokens). Only gated rows reach the output layer (fused op), never the whole sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from megatron_tg.chat.framing import build_expert_sequences
+from megatron_tg.config.objective import ObjectiveConfig
+from megatron_tg.objectives.guidance import build_gate
+from megatron_tg.rollout.types import Rollout
+
+
+@dataclass
+class TrainSample:
+    """One judged rollout, ready to train on."""
+
+    rollout: Rollout
+    advantage: float
+    feedback_by_turn: dict[int, str] = field(default_factory=dict)
+    """Assistant-turn index -> feedback text: the turns that get an expert (and a KL gate)."""
+
+
+@dataclass
+class PackedRows:
+    """Sequences packed into ``[B, S]`` token rows with a block-diagonal causal mask."""
+
+    tokens: torch.Tensor          # [B, S] long
+    attention_mask: torch.Tensor  # [B, 1, S, S] bool, True = masked (megatron's convention)
+    position_ids: torch.Tensor    # [B, S] long, restarting at 0 for every packed sequence
+    offsets: list[tuple[int, int]]  # per input sequence: (row, start column)
+
+    def flat(self, seq: int, pos: int) -> int:
+        row, start = self.offsets[seq]
+        return row * self.tokens.shape[1] + start + pos
+
+
+def pack(sequences: Sequence[Sequence[int]], row_tokens: int, pad_multiple: int = 1,
+         pad_id: int = 0) -> PackedRows:
+    """First-fit-decreasing packing; raises if one sequence is longer than ``row_tokens``."""
+    if not sequences:
+        raise ValueError("nothing to pack")
+    longest = max(len(s) for s in sequences)
+    if longest > row_tokens:
+        raise ValueError(f"a sequence of {longest} tokens exceeds the row budget of {row_tokens}")
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    rows: list[list[int]] = []     # sequence indices per row
+    used: list[int] = []
+    for i in order:
+        n = len(sequences[i])
+        for r, u in enumerate(used):
+            if u + n <= row_tokens:
+                rows[r].append(i)
+                used[r] += n
+                break
+        else:
+            rows.append([i])
+            used.append(n)
+    width = -(-max(used) // pad_multiple) * pad_multiple
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    allowed = torch.zeros((len(rows), width, width), dtype=torch.bool)
+    offsets: list[tuple[int, int]] = [(0, 0)] * len(sequences)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    for r, members in enumerate(rows):
+        col = 0
+        for i in members:
+            n = len(sequences[i])
+            tokens[r, col:col + n] = torch.as_tensor(list(sequences[i]), dtype=torch.long)
+            positions[r, col:col + n] = torch.arange(n)
+            allowed[r, col:col + n, col:col + n] = causal[:n, :n]
+            offsets[i] = (r, col)
+            col += n
+        # Padding rows attend to themselves only, so softmax never sees an empty row.
+        idx = torch.arange(col, width)
+        allowed[r, idx, idx] = True
+    return PackedRows(tokens=tokens, attention_mask=~allowed.unsqueeze(1),
+                      position_ids=positions, offsets=offsets)
+
+
+@dataclass
+class MicroBatch:
+    """Everything one micro-batch needs; per-row fields are indexed like ``rows``."""
+
+    student: PackedRows
+    rows: torch.Tensor                # [N] flat student rows in the loss (predict assistant tokens)
+    target_ids: torch.Tensor          # [N]
+    behaviour_logprobs: torch.Tensor  # [N]
+    loss_mask: torch.Tensor           # [N] bool (all True here: rows are selected by it)
+    rollout_index: torch.Tensor       # [N] in [0, R)
+    gate: torch.Tensor                # [N] float
+    advantages: torch.Tensor          # [R]
+    expert: PackedRows | None         # None when nothing is gated
+    expert_rows: torch.Tensor         # [G] flat expert rows, aligned with gate.nonzero()
+    num_rollouts: int
+    num_tokens: int                   # real (unpadded) student tokens
+
+
+def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveConfig, *,
+                      row_tokens: int, pad_multiple: int = 1, framing: str = "user",
+                      pad_id: int = 0) -> MicroBatch:
+    """Pack ``samples`` into one micro-batch (student rows, gates, expert rows)."""
+    student = pack([s.rollout.token_ids for s in samples], row_tokens, pad_multiple, pad_id)
+    rows, targets, behaviour, rindex, failed, thinking = [], [], [], [], [], []
+    tokref: list[tuple[int, int]] = []  # (sample, token index) of each loss row
+    expert_seqs: list[list[int]] = []
+    expert_pos: dict[tuple[int, int], tuple[int, int]] = {}  # (sample, token i) -> (eseq, epos)
+    for k, s in enumerate(samples):
+        ro = s.rollout
+        amask, tmask = ro.assistant_mask(), ro.thinking_mask()
+        turn_of, lps = ro.turn_index_per_token(), ro.logprobs_per_token()
+        for i in range(1, len(ro.token_ids)):
+            if not amask[i]:
+                continue
+            rows.append(student.flat(k, i - 1))
+            tokref.append((k, i))
+            targets.append(ro.token_ids[i])
+            behaviour.append(lps[i])
+            rindex.append(k)
+            failed.append(turn_of[i] in s.feedback_by_turn)
+            thinking.append(bool(tmask[i]))
+        if s.feedback_by_turn:
+            mode = cfg.expert_sequence
+            for eseq in build_expert_sequences(ro, s.feedback_by_turn, tokenizer, mode, framing):
+                e = len(expert_seqs)
+                expert_seqs.append(eseq.token_ids)
+                for i, on in enumerate(eseq.kl_mask):
+                    if on:
+                        expert_pos[(k, i)] = (e, eseq.position_map[i] - 1)
+    rows_t = torch.tensor(rows, dtype=torch.long)
+    loss_mask = torch.ones(len(rows), dtype=torch.bool)
+    failed_t = torch.tensor(failed, dtype=torch.bool)
+    gate = build_gate(loss_mask, failed_t, torch.tensor(thinking, dtype=torch.bool), cfg)
+    gate = gate * failed_t.float()  # an expert exists only where feedback was given
+
+    # Gated rows in increasing flat order; their expert rows in the same order.
+    order = torch.argsort(rows_t)
+    rows_t = rows_t[order]
+    fields = [torch.tensor(x)[order] for x in (targets, behaviour, rindex)]
+    gate = gate[order]
+    expert = pack(expert_seqs, row_tokens, pad_multiple, pad_id) if expert_seqs else None
+    expert_rows = []
+    for j in gate.nonzero().squeeze(1).tolist():
+        e, epos = expert_pos[tokref[int(order[j])]]
+        expert_rows.append(expert.flat(e, epos))
+    return MicroBatch(
+        student=student, rows=rows_t, target_ids=fields[0].long(),
+        behaviour_logprobs=fields[1].float(), loss_mask=loss_mask, rollout_index=fields[2].long(),
+        gate=gate, advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        expert=expert, expert_rows=torch.tensor(expert_rows, dtype=torch.long),
+        num_rollouts=len(samples), num_tokens=sum(len(s.rollout.token_ids) for s in samples))
+

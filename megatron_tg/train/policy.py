@@ -1,0 +1,76 @@
+"""The policy's forward pass as the loss needs it: hidden states, never full logits.
+
+Megatron's ``GPTModel`` ends in a vocab-parallel ``ColumnParallelLinear``: with sequence
+parallelism it all-gathers the sequence-split hidden states, multiplies by its vocabulary
+shard, and in backward reduce-scatters the partial input gradient. :func:`forward_hidden`
+runs the same model with that last layer swapped for the gather alone, so the caller gets
+the full-sequence hidden states ``[B, S, H]`` (identical on every TP rank) plus the output
+weight shard, and the fused vocab-parallel ops compute log-probs/KL only at the rows that
+carry a loss. The gather keeps the output layer's backward (a reduce-scatter that sums the
+TP ranks' partial gradients), so the ops are told not to all-reduce that gradient again
+(``reduce_hidden_grad=False``); without sequence parallelism the hidden states are
+replicated and the ops all-reduce it themselves (``reduce_hidden_grad=True``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class HiddenOutput:
+    hidden: torch.Tensor          # [B, S, H], full sequence, replicated over TP
+    output_weight: torch.Tensor   # [V_pad / TP, H] this rank's vocabulary shard
+    reduce_hidden_grad: bool      # pass to the fused ops / TGObjective
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel under DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class _GatherOnly(torch.nn.Module):
+    """Stands in for the output layer: the sequence all-gather, without the matmul."""
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None, **_):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=True)
+        return hidden_states, None
+
+
+@contextlib.contextmanager
+def _hidden_mode(gpt):
+    layer = gpt.output_layer
+    gpt.output_layer = _GatherOnly(bool(layer.sequence_parallel))
+    try:
+        yield layer
+    finally:
+        gpt.output_layer = layer
+
+
+def output_weight(gpt) -> torch.Tensor:
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def forward_hidden(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor,
+                   attention_mask: torch.Tensor | None) -> HiddenOutput:
+    """Run ``model`` (possibly DDP-wrapped) and return the output layer's input."""
+    gpt = unwrap(model)
+    with _hidden_mode(gpt) as layer:
+        hidden = model(tokens, position_ids, attention_mask)  # GPTModel returns [B, S, H]
+    return HiddenOutput(hidden=hidden, output_weight=output_weight(gpt),
+                        reduce_hidden_grad=not bool(layer.sequence_parallel))

@@ -1,0 +1,54 @@
+"""One micro-batch of the TG objective on the megatron policy: expert pass, student pass, loss.
+
+Order matters: the expert forward runs first, under ``no_grad``, and only its hidden states
+at the gated rows are kept ([G, H]); its activations are freed before the student's forward
+builds the autograd graph. Neither pass materialises logits: the fused vocab-parallel ops
+compute the output layer at the loss rows only, chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_tg.objectives import LossOutput, PolicyBatch, TGObjective, select_rows
+from megatron_tg.train.batching import MicroBatch
+from megatron_tg.train.policy import forward_hidden, unwrap
+
+
+def ops_reduce_hidden_grad(model: torch.nn.Module) -> bool:
+    """Whether the fused ops must all-reduce the hidden-state gradient over TP themselves
+    (see :mod:`megatron_tg.train.policy`): only when sequence parallelism is off."""
+    return not bool(unwrap(model).config.sequence_parallel)
+
+
+def expert_hidden_states(expert_model: torch.nn.Module, mb: MicroBatch):
+    """[G, H] expert hidden states at the gated rows (or None) and the expert's output weight."""
+    if mb.expert is None or mb.expert_rows.numel() == 0:
+        return None, None
+    with torch.no_grad():
+        out = forward_hidden(expert_model, mb.expert.tokens, mb.expert.position_ids,
+                             mb.expert.attention_mask)
+        return select_rows(out.hidden, mb.expert_rows).detach(), out.output_weight.detach()
+
+
+def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBatch, *,
+                     vocab_size: int, expert_model: torch.nn.Module | None = None,
+                     num_rollouts: float | None = None) -> LossOutput:
+    """The TG loss of one micro-batch (call ``.loss.backward()`` on the result).
+
+    ``expert_model`` is the policy itself for the paper's shared-weight expert (None), or a
+    frozen/EMA copy. ``num_rollouts`` is the rollout-average denominator when several
+    micro-batches are accumulated into one step (default: this micro-batch's rollouts).
+    """
+    expert_hidden, expert_weight = expert_hidden_states(expert_model or model, mb)
+    student = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
+                             mb.student.attention_mask)
+    batch = PolicyBatch(
+        target_ids=mb.target_ids, behaviour_logprobs=mb.behaviour_logprobs,
+        loss_mask=mb.loss_mask, rollout_index=mb.rollout_index, advantages=mb.advantages,
+        gate=mb.gate, hidden=select_rows(student.hidden, mb.rows),
+        output_weight=student.output_weight, expert_hidden=expert_hidden,
+        # The shared-weight expert uses the student's (live, detached) weight inside the op.
+        expert_output_weight=expert_weight if expert_model is not None else None,
+        vocab_size=vocab_size, num_rollouts=num_rollouts)
+    return objective(batch)

@@ -1,0 +1,140 @@
+"""GRPO term and advantages against closed forms computed by hand on tiny inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_tg.config.objective import ObjectiveConfig
+from megatron_tg.objectives import (PolicyBatch, TGObjective, combine_rewards, group_advantages,
+                                    policy_gradient_term)
+
+
+def _two_token_vocab_batch(behaviour, advantages, rollout_index, old=None):
+    """V=2 with equal logits: log π(target) = log 0.5 on every row, so ratios are chosen
+    exactly through the behaviour/old log-probs."""
+    n = len(behaviour)
+    return PolicyBatch(
+        target_ids=torch.zeros(n, dtype=torch.long),
+        behaviour_logprobs=torch.tensor(behaviour, dtype=torch.float64),
+        loss_mask=torch.ones(n, dtype=torch.bool),
+        rollout_index=torch.tensor(rollout_index),
+        advantages=torch.tensor(advantages, dtype=torch.float64),
+        gate=torch.zeros(n),
+        logits=torch.zeros(n, 2, dtype=torch.float64, requires_grad=True),
+        old_logprobs=None if old is None else torch.tensor(old, dtype=torch.float64),
+    )
+
+
+def test_ppo_clip_closed_form_value_gradient_and_clip_fraction():
+    cfg = ObjectiveConfig(mode="grpo", clip_eps_low=0.2, clip_eps_high=0.28)
+    # ratios 2, 0.5, 1 in each rollout; rollout 0 has A=+1, rollout 1 has A=-1.
+    b = [math.log(0.25), 0.0, math.log(0.5)] * 2
+    batch = _two_token_vocab_batch(b, [1.0, -1.0], [0, 0, 0, 1, 1, 1])
+    out = TGObjective(cfg, compute_entropy=False)(batch)
+    # A=+1: -min(2, 1.28) = -1.28, -min(.5, .8) = -.5, -1.   A=-1: 2, .8, 1.
+    want = ((-1.28 - 0.5 - 1.0) / 3 + (2.0 + 0.8 + 1.0) / 3) / 2
+    assert out.loss.item() == pytest.approx(want, abs=1e-12)
+    out.loss.backward()
+    # dℓ/dlogπ = -A·r on the unclipped branch, 0 where the clip is active; then /3 tokens, /2 rollouts.
+    dlogp = torch.tensor([0.0, -0.5, -1.0, 2.0, 0.0, 1.0], dtype=torch.float64) / 6
+    # dlogπ(0)/dz = onehot(0) - softmax = [0.5, -0.5].
+    want_grad = torch.stack([0.5 * dlogp, -0.5 * dlogp], dim=1)
+    torch.testing.assert_close(batch.logits.grad, want_grad)
+    assert out.metrics["pg/clip_frac"].item() == pytest.approx(2 / 6)
+    assert out.metrics["pg/is_weight_mean"].item() == 1.0  # no old_logprobs: no TIS
+
+
+def test_truncated_importance_sampling_closed_form():
+    cfg = ObjectiveConfig(mode="grpo", tis_cap=2.0, pg_token_normalization="global")
+    old = [math.log(0.5)] * 3  # ratio 1 against the trainer's old log-probs
+    behaviour = [math.log(0.1), math.log(0.4), math.log(0.5)]  # raw weights 5, 1.25, 1
+    batch = _two_token_vocab_batch(behaviour, [2.0], [0, 0, 0], old=old)
+    out = TGObjective(cfg, compute_entropy=False)(batch)
+    weights = [2.0, 1.25, 1.0]  # 5 truncated to the cap C=2
+    assert out.loss.item() == pytest.approx(sum(-2.0 * w for w in weights) / 3, abs=1e-12)
+    m = out.metrics
+    assert m["pg/is_weight_mean"].item() == pytest.approx(sum(weights) / 3)
+    assert m["pg/is_weight_max"].item() == pytest.approx(5.0)
+    assert m["pg/is_frac_truncated"].item() == pytest.approx(1 / 3)
+    out.loss.backward()
+    torch.testing.assert_close(batch.logits.grad[:, 0],
+                               torch.tensor([-2.0 * w / 3 * 0.5 for w in weights], dtype=torch.float64))
+    # tis_cap <= 0 disables the correction entirely.
+    off = TGObjective(ObjectiveConfig(mode="grpo", tis_cap=0.0, pg_token_normalization="global"),
+                      compute_entropy=False)(_two_token_vocab_batch(behaviour, [2.0], [0, 0, 0], old=old))
+    assert off.loss.item() == pytest.approx(-2.0, abs=1e-12)
+
+
+def test_prompt_and_tool_rows_never_count():
+    cfg = ObjectiveConfig(mode="grpo")
+    batch = _two_token_vocab_batch([math.log(0.5)] * 4, [1.0], [0, 0, 0, 0])
+    batch.loss_mask[1] = False
+    loss = TGObjective(cfg, compute_entropy=False)(batch).loss
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0)  # mean over the 3 assistant rows, not 4
+    assert (batch.logits.grad[1] == 0).all() and (batch.logits.grad[0] != 0).all()
+
+
+def test_global_vs_rollout_token_normalisation():
+    # Rollout 0: 1 token with A=+1; rollout 1: 3 tokens with A=-1; ratio 1 everywhere.
+    b = [math.log(0.5)] * 4
+    per_rollout = TGObjective(ObjectiveConfig(mode="grpo"), compute_entropy=False)(
+        _two_token_vocab_batch(b, [1.0, -1.0], [0, 1, 1, 1])).loss
+    token_level = TGObjective(ObjectiveConfig(mode="grpo", pg_token_normalization="global"),
+                              compute_entropy=False)(_two_token_vocab_batch(b, [1.0, -1.0], [0, 1, 1, 1])).loss
+    assert per_rollout.item() == pytest.approx((-1.0 + 1.0) / 2)
+    assert token_level.item() == pytest.approx((-1.0 + 3.0) / 4)
+
+
+def test_group_advantages_closed_form():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 3.0])
+    groups = torch.tensor([7, 7, 9, 9, 4])  # arbitrary ids; group 4 has a single rollout
+    cfg = ObjectiveConfig(adv_eps=1e-6)
+    a = group_advantages(rewards, groups, cfg)
+    s = 0.5 / (0.5 + 1e-6)  # centred ±0.5 over the population std of {1, 0}, 0.5
+    torch.testing.assert_close(a, torch.tensor([s, -s, 0.0, 0.0, 0.0]))
+    b = group_advantages(rewards, groups, ObjectiveConfig(advantage_std_norm=False))
+    torch.testing.assert_close(b, torch.tensor([0.5, -0.5, 0.0, 0.0, 0.0]))
+
+
+def test_rewards_weights_and_opsd_drops_non_primary():
+    scores = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
+    names = ["tests_pass", "markdown", "bolded"]
+    tg = ObjectiveConfig(criterion_weights={"markdown": 0.5})
+    torch.testing.assert_close(combine_rewards(scores, names, tg),
+                               torch.tensor([2.0, 1.5], dtype=torch.float64))
+    opsd = ObjectiveConfig(mode="opsd", criterion_weights={"markdown": 0.5})
+    torch.testing.assert_close(combine_rewards(scores, names, opsd),
+                               torch.tensor([1.0, 0.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="rollouts"):
+        combine_rewards(scores, names[:2], tg)
+
+
+def test_policy_gradient_term_directly_matches_formula():
+    gen = torch.Generator().manual_seed(3)
+    n = 9
+    logp = torch.log(torch.rand(n, generator=gen, dtype=torch.float64))
+    beh = logp + 0.5 * torch.randn(n, generator=gen, dtype=torch.float64)
+    old = logp + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)
+    idx = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    adv = torch.tensor([0.7, -1.2, 0.4], dtype=torch.float64)
+    batch = PolicyBatch(target_ids=torch.zeros(n, dtype=torch.long), behaviour_logprobs=beh,
+                        loss_mask=torch.ones(n, dtype=torch.bool), rollout_index=idx,
+                        advantages=adv, gate=torch.zeros(n), logits=torch.zeros(n, 1),
+                        old_logprobs=old)
+    cfg = ObjectiveConfig(clip_eps_low=0.1, clip_eps_high=0.3, tis_cap=1.5)
+    loss, _ = policy_gradient_term(logp, batch, cfg)
+    want = 0.0
+    for r in range(3):
+        rows = (idx == r).nonzero().flatten().tolist()
+        acc = 0.0
+        for t in rows:
+            ratio = math.exp(logp[t] - old[t])
+            a = adv[r].item()
+            surr = -min(ratio * a, min(max(ratio, 0.9), 1.3) * a)
+            acc += surr * min(math.exp(old[t] - beh[t]), 1.5)
+        want += acc / len(rows)
+    assert loss.item() == pytest.approx(want / 3, abs=1e-12)

@@ -1,0 +1,143 @@
+"""The composed objective: gating, exact GRPO equivalence, stop-gradient, normalisation, metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_tg.config.objective import ObjectiveConfig
+from megatron_tg.objectives import TGObjective, flat_positions, select_rows
+from tests.objectives.fixtures import rollout_batch
+from tests.ops.reference import ref_kl
+
+
+def _grads(cfg, batch):
+    out = TGObjective(cfg)(batch)
+    out.loss.backward()
+    return out, batch.logits.grad.clone()
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward", "jsd"])
+def test_tg_equals_grpo_bitwise_when_every_criterion_passes(direction):
+    kw = dict(lengths=[4, 3, 5], seed=1, thinking=[[0, 1]])
+    tg_cfg = ObjectiveConfig(mode="tg", kl_coef=1.0, kl_direction=direction)
+    tg, tg_grad = _grads(tg_cfg, rollout_batch(failed=[], cfg=tg_cfg, **kw))
+    grpo, grpo_grad = _grads(ObjectiveConfig(mode="grpo"), rollout_batch(failed=[], **kw))
+    assert "kl" not in tg.terms
+    assert torch.equal(tg.loss, grpo.loss) and torch.equal(tg_grad, grpo_grad)
+    assert tg.metrics["kl/frac_gated"].item() == 0.0
+    # Not vacuous: one failing turn makes them differ.
+    failing, _ = _grads(tg_cfg, rollout_batch(failed=[[2]], cfg=tg_cfg, **kw))
+    assert "kl" in failing.terms and not torch.equal(failing.loss, grpo.loss)
+
+
+def test_loss_is_sum_of_named_terms_and_kl_matches_closed_form():
+    cfg = ObjectiveConfig(mode="tg", kl_coef=0.3)
+    batch = rollout_batch([4, 3, 5], failed=[[1, 2], [], [0, 3, 4]], cfg=cfg, seed=2)
+    out = TGObjective(cfg)(batch)
+    assert torch.equal(out.loss, out.terms["pg"] + out.terms["kl"])
+    gi = batch.gate_index
+    kl = ref_kl(batch.logits.detach()[gi], batch.expert_logits, "reverse")
+    # rollout_gated: mean over each rollout's gated rows; rollout 1 has none and counts 0; / 3 rollouts.
+    want = (kl[:2].mean() + 0 + kl[2:].mean()) / 3
+    assert out.terms["kl"].item() == pytest.approx(0.3 * want.item(), rel=1e-12)
+    assert out.metrics["kl/mean_gated"].item() == pytest.approx(kl.mean().item(), rel=1e-12)
+    assert out.metrics["kl/frac_gated"].item() == pytest.approx(5 / 12)
+    assert out.metrics["kl/coef"].item() == pytest.approx(0.3)
+    for key in ("entropy/all", "entropy/gated", "pg/clip_frac", "pg/is_weight_mean",
+                "pg/is_weight_max", "pg/is_frac_truncated"):
+        assert torch.isfinite(out.metrics[key]), key
+
+
+def test_expert_is_stop_gradient():
+    cfg = ObjectiveConfig(mode="tg", kl_coef=1.0)
+    batch = rollout_batch([3, 3], failed=[[0, 1], [2]], cfg=cfg)
+    batch.expert_logits.requires_grad_(True)
+    TGObjective(cfg)(batch).loss.backward()
+    assert batch.expert_logits.grad is None
+    assert batch.logits.grad[batch.gate_index].abs().sum() > 0
+
+
+def _kl_term(norm, lengths, failed, logits, expert):
+    cfg = ObjectiveConfig(mode="tg", kl_coef=1.0, kl_token_normalization=norm)
+    b = rollout_batch(lengths, failed=failed, cfg=cfg, logits=logits, expert_logits_full=expert)
+    return TGObjective(cfg, compute_entropy=False)(b).terms["kl"].item()
+
+
+@pytest.mark.parametrize("norm", ["rollout_gated", "rollout_assistant", "global"])
+def test_doubling_a_rollout_does_not_double_its_weight(norm):
+    gen = torch.Generator().manual_seed(5)
+    zs, ze = torch.randn(5, 7, generator=gen, dtype=torch.float64), torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    # Rollout 0 = rows 0-1 (both failing), rollout 1 = rows 2-4 (all failing).
+    base = _kl_term(norm, [2, 3], [[0, 1], [0, 1, 2]], zs, ze)
+    # Rollout 1 played twice as long with the same per-token divergences.
+    zs2 = torch.cat([zs, zs[2:]]); ze2 = torch.cat([ze, ze[2:]])
+    doubled = _kl_term(norm, [2, 6], [[0, 1], [0, 1, 2, 3, 4, 5]], zs2, ze2)
+    if norm == "global":
+        assert doubled != pytest.approx(base)  # token-level: the long rollout does weigh more
+    else:
+        assert doubled == pytest.approx(base, rel=1e-12)
+
+
+def test_rollout_assistant_denominator_counts_passing_turns():
+    gen = torch.Generator().manual_seed(6)
+    zs, ze = torch.randn(4, 7, generator=gen, dtype=torch.float64), torch.randn(4, 7, generator=gen, dtype=torch.float64)
+    kl = ref_kl(zs, ze, "reverse")
+    gated = _kl_term("rollout_gated", [4], [[1]], zs, ze)
+    assistant = _kl_term("rollout_assistant", [4], [[1]], zs, ze)
+    assert gated == pytest.approx(kl[1].item(), rel=1e-12)
+    assert assistant == pytest.approx(kl[1].item() / 4, rel=1e-12)
+
+
+def test_fused_batch_equals_logits_batch():
+    gen = torch.Generator().manual_seed(8)
+    n, h, v = 9, 4, 6
+    hid = torch.randn(n, h, generator=gen, dtype=torch.float64)
+    hid_e = torch.randn(n, h, generator=gen, dtype=torch.float64)
+    w = torch.randn(v, h, generator=gen, dtype=torch.float64)
+    cfg = ObjectiveConfig(mode="tg", kl_coef=0.7, kl_direction="forward", logits_chunk_size=2)
+    ref = rollout_batch([5, 4], vocab=v, failed=[[0, 4], [1, 2, 3]], cfg=cfg, logits=hid @ w.t(),
+                        expert_logits_full=hid_e @ w.t())
+    out_ref = TGObjective(cfg)(ref)
+    out_ref.loss.backward()
+    hid_l, w_l = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    he = hid_e[ref.gate_index].clone().requires_grad_(True)
+    fused = dataclasses.replace(ref, logits=None, hidden=hid_l, output_weight=w_l,
+                                expert_logits=None, expert_hidden=he)
+    out = TGObjective(cfg)(fused)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, out_ref.loss)
+    torch.testing.assert_close(hid_l.grad, ref.logits.grad @ w)
+    torch.testing.assert_close(w_l.grad, ref.logits.grad.t() @ hid)
+    assert he.grad is None
+    for k in ("kl/mean_gated", "entropy/all", "entropy/gated"):
+        torch.testing.assert_close(out.metrics[k], out_ref.metrics[k])
+
+
+def test_zero_coef_keeps_metrics_but_no_term():
+    cfg = ObjectiveConfig(mode="tg", kl_coef=0.0)
+    out = TGObjective(cfg)(rollout_batch([3], failed=[[0]], cfg=cfg))
+    assert "kl" not in out.terms and out.metrics["kl/mean_gated"].item() > 0
+
+
+def test_missing_expert_rows_is_a_named_error():
+    cfg = ObjectiveConfig(mode="tg")
+    batch = rollout_batch([3], failed=[[0, 1]], cfg=cfg)
+    batch.expert_logits = batch.expert_logits[:1]
+    with pytest.raises(ValueError, match="expert_logits"):
+        TGObjective(cfg)(batch)
+    batch.logits = None
+    with pytest.raises(ValueError, match="logits or hidden"):
+        TGObjective(cfg)(batch)
+
+
+def test_sequence_first_row_selection():
+    s, b, v = 4, 3, 5
+    x = torch.arange(s * b * v, dtype=torch.float64).reshape(s, b, v)
+    mask = torch.zeros(s, b, dtype=torch.bool)
+    mask[1, 2] = mask[3, 0] = True
+    rows = flat_positions(mask)
+    assert rows.tolist() == [1 * b + 2, 3 * b + 0]
+    torch.testing.assert_close(select_rows(x, rows), torch.stack([x[1, 2], x[3, 0]]))

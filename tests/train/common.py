@@ -1,0 +1,122 @@
+"""Tiny policy + judged multi-turn rollouts for the trainer tests."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_tg.chat import get_tiny_tokenizer
+from megatron_tg.chat.builder import simulate_rollout
+from megatron_tg.train.batching import TrainSample
+from tests.chat.convos import SEARCH_TOOL, conversation
+from tests.models.qwen3_moe.common import tiny_hf_model
+
+
+def tiny_policy():
+    tok = get_tiny_tokenizer()
+    cfg, model, state = tiny_hf_model(vocab_size=len(tok))
+    return tok, cfg.to_dict(), state
+
+
+def _hf_logprobs(state, cfg, ids):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).eval()
+    # load checkpoint-named tensors into transformers 5's fused-expert modules
+    sd = model.state_dict()
+    for name in list(sd):
+        if name.endswith("experts.gate_up_proj"):
+            p = name[: -len("gate_up_proj")]
+            sd[name] = torch.stack([torch.cat([state[f"{p}{e}.gate_proj.weight"],
+                                               state[f"{p}{e}.up_proj.weight"]]) for e in
+                                    range(sd[name].shape[0])])
+        elif name.endswith("experts.down_proj"):
+            p = name[: -len("down_proj")]
+            sd[name] = torch.stack([state[f"{p}{e}.down_proj.weight"]
+                                    for e in range(sd[name].shape[0])])
+        else:
+            sd[name] = state[name]
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return [0.0] + [lp[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
+
+
+def make_samples(tok, cfg, state, n: int = 4, seed: int = 0) -> list[TrainSample]:
+    """n rollouts (2 per group) of the 4-turn fixture conversation, with varied lengths and
+    failing turns; behaviour log-probs = the HF model's + noise (exercises ratio/clip/TIS)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for k in range(n):
+        msgs = conversation()
+        if k % 2:  # a shorter variant: drop the last two exchanges
+            msgs = msgs[:6]
+        ro = simulate_rollout(tok, msgs, tools=[SEARCH_TOOL], group_id=f"g{k // 2}",
+                              rollout_id=f"r{k}")
+        lps = _hf_logprobs(state, cfg, ro.token_ids)
+        for seg in ro.assistant_turns():
+            seg.logprobs = [lps[i] + 0.3 * float(torch.randn((), generator=g))
+                            for i in range(seg.start, seg.end)]
+        turns = ro.num_turns
+        feedback = {0: "Use the lines= argument of the search tool."} if k != 1 else {}
+        if k == 2 and turns > 2:
+            feedback[turns - 1] = "End with a markdown table of what you changed."
+        samples.append(TrainSample(ro, advantage=float(torch.randn((), generator=g)),
+                                   feedback_by_turn=feedback))
+    return samples
+
+
+def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir):
+    """For each layout and each objective config: one TG micro-batch per DP rank through
+    megatron DDP; returns loss and HF-named grads (results[layout][config])."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig, finalize_model_grads)
+    from transformers import AutoTokenizer
+
+    from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
+    from megatron_tg.models.qwen3_moe.mapping import (current_layout, load_hf_weights,
+                                                      merge_tp_shards, param_info, to_hf)
+    from megatron_tg.objectives import TGObjective
+    from megatron_tg.parallel.dims import Axis
+    from megatron_tg.parallel.state import init_parallel
+    from megatron_tg.train.batching import build_micro_batch
+    from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    results = []
+    for tp, ep, etp in layouts:
+        ctx = init_parallel(tp=tp, ep=ep, etp=etp)
+        arch = Qwen3Arch.from_hf(hf_cfg)
+        model = build_model(arch, tp=tp, ep=ep, etp=etp)
+        layout = current_layout()
+        load_hf_weights(model, state, arch, layout)
+        ddp = DistributedDataParallel(config=model.config,
+                                      ddp_config=DistributedDataParallelConfig(
+                                          grad_reduce_in_fp32=True), module=model)
+        dp, dp_rank = mps.get_data_parallel_world_size(), mps.get_data_parallel_rank()
+        local = samples[dp_rank::dp]
+        per_cfg = []
+        for obj_cfg in obj_cfgs:
+            ddp.zero_grad_buffer()
+            mb = build_micro_batch(local, tok, obj_cfg, row_tokens=2 * max(
+                len(s.rollout.token_ids) for s in samples), pad_multiple=tp)
+            objective = TGObjective(obj_cfg, group=ctx.group(Axis.TP),
+                                    reduce_hidden_grad=ops_reduce_hidden_grad(ddp))
+            out = micro_batch_loss(ddp, objective, mb, vocab_size=arch.vocab_size)
+            out.loss.backward()
+            finalize_model_grads([ddp])
+            grads = {}
+            for name, p in model.named_parameters():
+                info = param_info(name, arch, layout)
+                group = ctx.group(Axis.ETP if info.is_expert else Axis.TP)
+                g = p.main_grad.detach().float().contiguous()
+                shards = [torch.empty_like(g) for _ in range(torch.distributed.get_world_size(group))]
+                torch.distributed.all_gather(shards, g, group=group)
+                for hf_name, t in to_hf(name, merge_tp_shards(name, shards, arch, layout), arch,
+                                        layout):
+                    grads[hf_name] = t
+            per_cfg.append(dict(loss=out.loss.detach(), grads=grads,
+                                tp_rank=ctx.rank_in(Axis.TP), n_gated=int(mb.gate.sum())))
+        results.append(per_cfg)
+    return results
