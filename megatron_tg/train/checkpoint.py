@@ -1,0 +1,128 @@
+"""Trainer checkpoints: megatron distributed checkpoints plus everything needed to resume.
+
+Layout of ``ROOT``::
+
+    ROOT/latest                  name of the newest complete checkpoint (replaced atomically)
+    ROOT/step_00000040/dist/     torch_dist checkpoint of {"model", "optimizer"} (resharding)
+    ROOT/step_00000040/trainer_state.pt   step, rollout-manager state, objective state, config
+    ROOT/step_00000040/rng/rank_00003.pt  every rank's RNG streams (CPU, CUDA, megatron tracker)
+    ROOT/step_00000040/COMPLETE  written last, before the rename
+
+A save goes to ``ROOT/.tmp-step_…`` and is renamed only when every rank has finished, so a
+kill mid-save leaves the previous checkpoint intact and ``latest`` pointing at it; stale
+temporary directories are removed on the next save. The newest ``keep_last`` are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_tg.train.policy import unwrap
+
+_PREFIX = "step_"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    def __init__(self, root: str | os.PathLike, keep_last: int = 3) -> None:
+        if keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        marker = self.root / "latest"
+        if not marker.exists():
+            return None
+        path = self.root / marker.read_text().strip()
+        if not (path / "COMPLETE").exists():
+            raise RuntimeError(f"{marker} names {path.name}, which is incomplete or missing")
+        return path
+
+    @staticmethod
+    def _sharded(model, optimizer) -> dict[str, Any]:
+        model_sd = unwrap(model).sharded_state_dict()
+        return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+
+    def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> Path:
+        """Collective: every rank calls it. Returns the final directory."""
+        from megatron.core import dist_checkpointing
+
+        name = f"{_PREFIX}{step:08d}"
+        tmp = self.root / f".tmp-{name}"
+        if _rank() == 0:
+            for stale in self.root.glob(".tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            (tmp / "dist").mkdir(parents=True)
+            (tmp / "rng").mkdir()
+        _barrier()
+        dist_checkpointing.save(self._sharded(model, optimizer), str(tmp / "dist"))
+        torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+        if _rank() == 0:
+            torch.save({"step": step, **trainer_state}, tmp / "trainer_state.pt")
+        _barrier()
+        final = self.root / name
+        if _rank() == 0:
+            (tmp / "COMPLETE").write_text(f"{step}\n")
+            if final.exists():  # a re-run of the same step after a crash: replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            marker_tmp = self.root / ".latest.tmp"
+            marker_tmp.write_text(name + "\n")
+            os.replace(marker_tmp, self.root / "latest")
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        done = sorted(p for p in self.root.glob(f"{_PREFIX}*") if (p / "COMPLETE").exists())
+        for old in done[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: Path, model, optimizer) -> dict[str, Any]:
+        """Collective: restore model, optimizer and this rank's RNG; return the trainer state."""
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load(self._sharded(model, optimizer), str(path / "dist"))
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+        if rng_file.exists():  # absent when resuming at a different world size
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        return torch.load(path / "trainer_state.pt", weights_only=False)

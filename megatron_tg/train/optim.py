@@ -1,0 +1,196 @@
+"""Optimizers: megatron's distributed optimizer on GPU, AdamW over DDP grad buffers on CPU.
+
+megatron-core's optimizers (``get_megatron_optimizer``) allocate CUDA tensors for their
+fp32 master copies, overflow flags and grad-norm reductions, so on CPU the trainer uses
+:class:`CPUAdamW`: ``torch.optim.AdamW`` over the parameters, reading megatron DDP's
+``main_grad`` buffers (already averaged over DP by ``finalize_model_grads``), with the same
+global-norm clipping rule megatron applies:
+
+    ||g||² = Σ_dense ||g_p||² (TP duplicates counted once, summed over TP x PP)
+           + Σ_expert ||g_p||² (summed over the expert-model-parallel ranks: ETP x EP x PP)
+
+Its checkpoint is sharded like the parameters it belongs to (megatron's
+``optim_state_to_sharding_state``), so it reshards on load exactly like the model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _is_expert(p: torch.nn.Parameter) -> bool:
+    # megatron marks expert weights allreduce=False when EP > 1 (see ParallelDims' etp rule).
+    return not getattr(p, "allreduce", True)
+
+
+def _counts_once(p: torch.nn.Parameter, tp_rank: int) -> bool:
+    """A TP-replicated parameter (norms, router) contributes from TP rank 0 only."""
+    return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+@torch.no_grad()
+def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
+    from megatron.core import parallel_state as mps
+
+    tp_rank = mps.get_tensor_model_parallel_rank()
+    dense = torch.zeros((), dtype=torch.float64)
+    expert = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+        if g is None:
+            continue
+        sq = g.detach().double().pow(2).sum()
+        if _is_expert(p):
+            expert += sq
+        elif _counts_once(p, tp_rank):
+            dense += sq
+    if dist.is_initialized():
+        dist.all_reduce(dense, group=mps.get_model_parallel_group())
+        dist.all_reduce(expert, group=mps.get_expert_tensor_model_pipeline_parallel_group())
+    return math.sqrt(float(dense + expert))
+
+
+class CPUAdamW:
+    """AdamW on megatron DDP's ``main_grad`` with global-norm clipping (CPU path)."""
+
+    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 grad_clip: float = 1.0) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.grad_clip = grad_clip
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay)
+        self.num_steps = 0
+
+    @property
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = value
+
+    def zero_grad(self) -> None:
+        zero = getattr(self.model, "zero_grad_buffer", None)
+        if zero is not None:
+            zero()
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> dict[str, float]:
+        """One update from the current ``main_grad``s; returns the grad norm (pre-clip)."""
+        norm = global_grad_norm(self.params)
+        if not math.isfinite(norm):
+            # Skip the update, as megatron does on overflow: one bad batch must not poison
+            # the weights (the caller logs it).
+            self.zero_grad()
+            return {"grad_norm": norm, "skipped": 1.0}
+        scale = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
+        for p in self.params:
+            g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+            p.grad = (g * scale).to(p.dtype) if g is not None else None
+        self.opt.step()
+        self.num_steps += 1
+        for p in self.params:
+            p.grad = None
+        return {"grad_norm": norm, "skipped": 0.0}
+
+    def _init_state(self) -> None:
+        """Materialise AdamW's state so a checkpoint can be loaded into it before any step."""
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                st = self.opt.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict) -> dict[str, Any]:
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        self._init_state()
+        state = self.opt.state_dict()
+        # One step counter for all params (they always step together), kept unsharded.
+        steps = {int(s["step"]) for s in state["state"].values()}
+        state["common_step"] = max(steps) if steps else 0
+        state["num_steps"] = self.num_steps
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
+        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        step = state.pop("common_step")
+        self.num_steps = int(state.pop("num_steps"))
+        for param_state in state["state"].values():
+            param_state["step"] = torch.tensor(float(step))
+        self.opt.load_state_dict(state)
+
+
+class MegatronOptimizer:
+    """megatron-core's optimizer (distributed when ``use_distributed_optimizer``); GPU path.
+
+    It owns the fp32 master weights, reads DDP's grad buffers, clips with the same rule as
+    :func:`global_grad_norm`, and shards its own checkpoint. Exposes the same small surface
+    as :class:`CPUAdamW` so the trainer does not branch.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg, *, distributed: bool, bf16: bool) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.model = model
+        self.opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
+                            adam_eps=cfg.eps, clip_grad=cfg.grad_clip, bf16=bf16,
+                            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                            use_distributed_optimizer=distributed),
+            [model])
+        self.num_steps = 0
+
+    @property
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = value
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.opt.zero_grad()
+
+    def step(self) -> dict[str, float]:
+        ok, norm, _ = self.opt.step()
+        self.num_steps += int(bool(ok))
+        return {"grad_norm": float(norm if norm is not None else float("nan")),
+                "skipped": 0.0 if ok else 1.0}
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict) -> dict[str, Any]:
+        state = self.opt.sharded_state_dict(model_sharded_state_dict)
+        state["num_steps"] = self.num_steps
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.num_steps = int(state.pop("num_steps"))
+        self.opt.load_state_dict(state)
+
+
+def build_optimizer(model: torch.nn.Module, cfg, *, distributed: bool = False,
+                    bf16: bool = False):
+    """AdamW for ``model`` from an ``OptimizerConfig``: megatron's on GPU, :class:`CPUAdamW`
+    on CPU (megatron's allocates CUDA tensors)."""
+    if torch.cuda.is_available():
+        return MegatronOptimizer(model, cfg, distributed=distributed, bf16=bf16)
+    return CPUAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                    betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.eps, grad_clip=cfg.grad_clip)
