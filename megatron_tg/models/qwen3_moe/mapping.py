@@ -51,6 +51,8 @@ class ShardLayout:
     etp: int = 1
     etp_rank: int = 0
     vocab_pad_multiple: int = 128
+    layer_offset: int = 0
+    """Global index of this pipeline stage's first layer (megatron numbers layers per stage)."""
 
 
 # Parameter kinds decide how a tensor is split and merged.
@@ -142,6 +144,16 @@ def _expert_fc2(m, arch, expert):
     return [f"model.layers.{m[1]}.mlp.experts.{expert}.down_proj.weight"]
 
 
+class _Shifted:
+    """A regex match whose first group (the layer index) is shifted to the global index."""
+
+    def __init__(self, m: re.Match, offset: int) -> None:
+        self.m, self.offset = m, offset
+
+    def __getitem__(self, i: int):
+        return str(int(self.m[1]) + self.offset) if i == 1 else self.m[i]
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     """What one megatron parameter is made of."""
@@ -159,6 +171,8 @@ def param_info(name: str, arch: Qwen3Arch, layout: ShardLayout) -> ParamInfo:
         m = pattern.match(clean)
         if not m:
             continue
+        if layout.layer_offset and clean.startswith("decoder.layers."):
+            m = _Shifted(m, layout.layer_offset)
         if fn in (_expert_fc1, _expert_fc2):
             local = int(m[2] if m[2] is not None else m[3])
             per_rank = arch.num_experts // layout.ep
@@ -277,11 +291,23 @@ def expected_hf_names(arch: Qwen3Arch) -> list[str]:
     return names
 
 
-def current_layout(vocab_pad_multiple: int = 128) -> ShardLayout:
-    """The :class:`ShardLayout` of this process, read from megatron's parallel state."""
+def current_layout(vocab_pad_multiple: int = 128, model: torch.nn.Module | None = None
+                   ) -> ShardLayout:
+    """The :class:`ShardLayout` of this process, read from megatron's parallel state (and,
+    under pipeline parallelism, the layer offset of ``model``'s stage)."""
     from megatron.core import parallel_state as mps
 
-    return ShardLayout(
+    offset = 0
+    if model is not None:
+        while hasattr(model, "module"):
+            model = model.module
+        layers = getattr(getattr(model, "decoder", None), "layers", None)
+        if layers is not None and len(layers):
+            offset = int(layers[0].layer_number) - 1  # megatron's layer_number is global, 1-based
+    elif mps.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("current_layout() needs the model under pipeline parallelism "
+                         "(its stage's layer offset)")
+    return ShardLayout(layer_offset=offset,
         tp=mps.get_tensor_model_parallel_world_size(), tp_rank=mps.get_tensor_model_parallel_rank(),
         ep=mps.get_expert_model_parallel_world_size(), ep_rank=mps.get_expert_model_parallel_rank(),
         etp=mps.get_expert_tensor_parallel_world_size(),

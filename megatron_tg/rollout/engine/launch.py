@@ -1,0 +1,91 @@
+"""Start embedded CPU engines as subprocesses and wait until they are healthy.
+
+Used by the trainer's CPU default (one or more engines beside the trainer ranks), the
+demo, and the tests. Each engine is its own process (``python -m megatron_tg.rollout.engine``)
+with its log in ``log_dir``; :meth:`Engine.stop` terminates only that process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Engine:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text()[-n:]
+        except OSError:
+            return ""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0,
+                  threads: int = 1) -> list[Engine]:
+    """Start engine subprocesses (in parallel) and wait until each answers /health."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", ENGINE_LOG_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    engines = []
+    for i, model_dir in enumerate(model_dirs):
+        port = free_port()
+        log_path = log_dir / f"engine_{port}.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_tg.rollout.engine", "--model", str(model_dir), "--port", str(port),
+             "--host", "127.0.0.1", "--threads", str(threads)],
+            stdout=open(log_path, "wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        engines.append(Engine(f"http://127.0.0.1:{port}", proc, log_path))
+    deadline = time.monotonic() + timeout_s
+    for e in engines:
+        while True:
+            if e.proc.poll() is not None:
+                raise RuntimeError(f"engine {e.url} exited with {e.proc.returncode}:\n{e.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{e.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                for x in engines:
+                    x.kill()
+                raise RuntimeError(f"engine {e.url} not healthy after {timeout_s}s:\n{e.log_tail()}")
+            time.sleep(0.2)
+    return engines
+
+
