@@ -33,12 +33,15 @@ def expert_hidden_states(expert_model: torch.nn.Module, mb: MicroBatch):
 
 def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBatch, *,
                      vocab_size: int, expert_model: torch.nn.Module | None = None,
-                     num_rollouts: float | None = None) -> LossOutput:
+                     num_rollouts: float | None = None, num_assistant_tokens: float | None = None,
+                     num_gated_tokens: float | None = None) -> LossOutput:
     """The TG loss of one micro-batch (call ``.loss.backward()`` on the result).
 
     ``expert_model`` is the policy itself for the paper's shared-weight expert (None), or a
     frozen/EMA copy. ``num_rollouts`` is the rollout-average denominator when several
-    micro-batches are accumulated into one step (default: this micro-batch's rollouts).
+    micro-batches are accumulated into one step (default: this micro-batch's rollouts);
+    ``num_assistant_tokens`` / ``num_gated_tokens`` likewise for the token-level ("global")
+    normalisations.
     """
     expert_hidden, expert_weight = expert_hidden_states(expert_model or model, mb)
     student = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
@@ -50,5 +53,6 @@ def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBa
         output_weight=student.output_weight, expert_hidden=expert_hidden,
         # The shared-weight expert uses the student's (live, detached) weight inside the op.
         expert_output_weight=expert_weight if expert_model is not None else None,
-        vocab_size=vocab_size, num_rollouts=num_rollouts)
+        vocab_size=vocab_size, num_rollouts=num_rollouts,
+        num_assistant_tokens=num_assistant_tokens, num_gated_tokens=num_gated_tokens)
     return objective(batch)

@@ -1,0 +1,185 @@
+"""The trainer's state and its three verbs: ``train_step``, ``sync_weights``, ``save``.
+
+Everything here is collective over the trainer's ranks; the rollout side (engines, manager,
+judge) lives on global rank 0 and hands each DP rank its share of judged samples.
+
+Micro-batching: a DP rank's samples are packed into micro-batches of at most
+``optimizer.micro_batch_tokens`` tokens (a rollout is never split); each micro-batch's loss
+uses the whole step's rollout count as its denominator, so the accumulated gradient is the
+gradient of the mean over the step's rollouts, whatever the split.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_tg.config.schema import TGConfig
+from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
+from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
+from megatron_tg.objectives import TGObjective
+from megatron_tg.parallel.dims import Axis
+from megatron_tg.parallel.state import init_parallel
+from megatron_tg.train.batching import TrainSample, build_micro_batch
+from megatron_tg.train.checkpoint import Checkpointer
+from megatron_tg.train.optim import build_optimizer
+from megatron_tg.train.policy import unwrap
+from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def split_by_tokens(samples: Sequence[TrainSample], budget: int) -> list[list[TrainSample]]:
+    """Consecutive groups of samples whose token total stays within ``budget``."""
+    out: list[list[TrainSample]] = []
+    cur: list[TrainSample] = []
+    used = 0
+    for s in samples:
+        n = len(s.rollout.token_ids)
+        if n > budget:
+            raise ValueError(f"rollout {s.rollout.rollout_id!r} has {n} tokens, more than "
+                             f"optimizer.micro_batch_tokens={budget}")
+        if cur and used + n > budget:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(s)
+        used += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: TGConfig, tokenizer=None) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        p = cfg.parallel
+        self.ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, seed=cfg.seed,
+                                 backend=p.backend)
+        self.arch = Qwen3Arch.from_hf(cfg.model.hf_config)
+        dtype = _DTYPES[cfg.model.params_dtype]
+        model = build_model(self.arch, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
+                            params_dtype=dtype, seq_length=cfg.model.seq_length)
+        self._load_initial_weights(model)
+        self.model = DistributedDataParallel(
+            config=model.config, module=model,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                use_distributed_optimizer=p.use_distributed_optimizer and torch.cuda.is_available()))
+        self.optimizer = build_optimizer(self.model, cfg.optimizer,
+                                         distributed=p.use_distributed_optimizer,
+                                         bf16=dtype == torch.bfloat16)
+        self.objective = TGObjective(cfg.objective, group=self.ctx.group(Axis.TP),
+                                     reduce_hidden_grad=ops_reduce_hidden_grad(self.model))
+        tok_dir = cfg.model.tokenizer or cfg.model.hf_checkpoint or cfg.model.hf_config
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(
+            tok_dir if os.path.isdir(tok_dir) else os.path.dirname(tok_dir))
+        self.checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
+        self.step = 0
+
+    # ---- set-up ------------------------------------------------------------------------
+    def _load_initial_weights(self, model) -> None:
+        m = self.cfg.model
+        if m.megatron_checkpoint:
+            from megatron.core import dist_checkpointing
+
+            path = m.megatron_checkpoint
+            sub = os.path.join(path, "dist")  # the converter's layout; plain dirs work too
+            state = dist_checkpointing.load(model.sharded_state_dict(),
+                                            sub if os.path.isdir(sub) else path)
+            model.load_state_dict(state)
+        elif m.hf_checkpoint:
+            from megatron_tg.convert.hf_io import HFCheckpoint, LazyReader
+
+            ckpt = HFCheckpoint(m.hf_checkpoint)
+            ckpt.validate(self.arch)
+            reader = LazyReader(m.hf_checkpoint, ckpt.reader_entries())
+            load_hf_weights(model, reader.get, self.arch, current_layout(model=model))
+            reader.close()
+        else:
+            raise ValueError("model.hf_checkpoint or model.megatron_checkpoint must name the "
+                             "initial weights (a policy is never trained from random init)")
+
+    def resume(self) -> dict[str, Any] | None:
+        """Load the newest checkpoint if there is one; returns its trainer state."""
+        if not self.cfg.checkpoint.resume:
+            return None
+        path = self.checkpointer.latest()
+        if path is None:
+            return None
+        state = self.checkpointer.load(path, self.model, self.optimizer)
+        self.step = int(state["step"])
+        if "objective" in state:
+            self.objective.guard.load_state_dict(state["objective"])
+        return state
+
+    def save(self, extra: dict[str, Any]) -> str:
+        state = {"objective": self.objective.guard.state_dict(), **extra}
+        return str(self.checkpointer.save(self.step, self.model, self.optimizer, state))
+
+    # ---- training ----------------------------------------------------------------------
+    def _lr(self) -> float:
+        o = self.cfg.optimizer
+        if o.warmup_steps and self.step < o.warmup_steps:
+            return o.lr * (self.step + 1) / o.warmup_steps
+        return o.lr
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One optimizer step on this DP rank's ``samples`` (collective)."""
+        if not samples:
+            raise ValueError("train_step got no samples for this data-parallel rank")
+        tp = self.ctx.dims.tp
+        budget = self.cfg.optimizer.micro_batch_tokens
+        self.optimizer.zero_grad()
+        sums: dict[str, float] = {}
+        micro = split_by_tokens(samples, budget)
+        batches = [build_micro_batch(group, self.tokenizer, self.cfg.objective, row_tokens=budget,
+                                     pad_multiple=tp, framing=self.cfg.judge.feedback_role,
+                                     pad_id=self.tokenizer.pad_token_id or 0) for group in micro]
+        # Step totals: every micro-batch normalises by the whole step, not by itself.
+        totals = dict(num_rollouts=len(samples),
+                      num_assistant_tokens=float(sum(int(mb.loss_mask.sum()) for mb in batches)),
+                      num_gated_tokens=float(sum(float(mb.gate.sum()) for mb in batches)))
+        for group, mb in zip(micro, batches):
+            out = micro_batch_loss(self.model, self.objective, mb, vocab_size=self.arch.vocab_size,
+                                   **totals)
+            out.loss.backward()
+            for k, v in {"loss": out.loss, **out.metrics}.items():
+                v = float(v)
+                if not math.isnan(v):  # e.g. gated entropy of a micro-batch with no gate
+                    sums[k] = sums.get(k, 0.0) + v * (len(group) if k != "loss" else 1.0)
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        self.optimizer.lr = self._lr()
+        opt_metrics = self.optimizer.step()
+        self.step += 1
+        metrics = {k: (v if k == "loss" else v / len(samples)) for k, v in sums.items()}
+        metrics.update({f"optim/{k}": v for k, v in opt_metrics.items()})
+        metrics["optim/lr"] = self.optimizer.lr
+        metrics["train/micro_batches"] = len(micro)
+        metrics = self._mean_over_dp(metrics)
+        event = self.objective.end_step(metrics.get("entropy/gated"))
+        if event is not None:
+            metrics["kl/guard_event"] = 1.0
+        return metrics
+
+    def _mean_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
+        group = self.ctx.group(Axis.DP)
+        if dist.get_world_size(group) == 1:
+            return metrics
+        keys = sorted(metrics)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, group=group)
+        t /= dist.get_world_size(group)
+        return dict(zip(keys, t.tolist()))
+
+    @property
+    def gpt(self):
+        return unwrap(self.model)

@@ -1,0 +1,66 @@
+"""Trainer.train_step: micro-batching by token budget does not change the update, and the
+trainer starts from an HF checkpoint directory (config + safetensors + tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tg.config import load_config
+from megatron_tg.testing.distributed import run_distributed
+from tests.models.qwen3_moe.common import tiny_hf_model
+from tests.train.common import make_samples
+
+
+def _step_fn(rank, world, overrides, samples):
+    from megatron_tg.config import load_config
+    from megatron_tg.train.trainer import Trainer
+
+    trainer = Trainer(load_config("recipes/tiny_cpu.yaml", overrides))
+    dp = trainer.ctx.dims.dp
+    metrics = trainer.train_step(samples[rank % dp::dp] if dp > 1 else samples)
+    # The accumulated gradient (DDP's main_grad survives the optimizer step). Post-Adam
+    # weights are not compared: Adam's first step is ~lr*sign(g), which turns rounding noise
+    # on near-zero gradients into lr-sized differences.
+    flat = torch.cat([p.main_grad.detach().reshape(-1) for p in trainer.gpt.parameters()])
+    return metrics, flat
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from megatron_tg.chat import get_tiny_tokenizer
+
+    tok = get_tiny_tokenizer()
+    d = tmp_path_factory.mktemp("policy")
+    cfg, model, state = tiny_hf_model(vocab_size=len(tok))
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d, tok, cfg.to_dict(), state
+
+
+def test_micro_batching_does_not_change_the_update(checkpoint, tmp_path):
+    d, tok, cfg, state = checkpoint
+    samples = make_samples(tok, cfg, state)
+    base = [f"model.hf_config={d}", f"model.hf_checkpoint={d}", "model.seq_length=1024",
+            "rollout.max_context_tokens=1024", "objective.kl_coef=0.5", "optimizer.lr=1e-3",
+            f"checkpoint.dir={tmp_path}/ckpt", f"logging.run_dir={tmp_path}/run"]
+    one = run_distributed(_step_fn, 1, base + ["optimizer.micro_batch_tokens=4096"], samples)[0]
+    split = run_distributed(_step_fn, 1, base + ["optimizer.micro_batch_tokens=1024"], samples)[0]
+    assert one[0]["train/micro_batches"] == 1 and split[0]["train/micro_batches"] > 1
+    torch.testing.assert_close(split[0]["loss"], one[0]["loss"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split[1], one[1], atol=1e-7, rtol=1e-4)
+    assert one[0]["kl/frac_gated"] > 0 and one[0]["optim/grad_norm"] > 0
+    # Data parallel over 2 ranks, 2 rollouts each: the same update as one rank with all 4.
+    dp2 = run_distributed(_step_fn, 2, base + ["optimizer.micro_batch_tokens=4096"], samples)
+    torch.testing.assert_close(dp2[0][1], one[1], atol=1e-7, rtol=1e-4)
+    torch.testing.assert_close(dp2[1][1], one[1], atol=1e-7, rtol=1e-4)
+
+
+def test_untrained_start_is_refused(tmp_path, checkpoint):
+    d, *_ = checkpoint
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.hf_config={d}"])
+    assert cfg.model.hf_checkpoint is None and cfg.model.megatron_checkpoint is None
+    out = None
+    with pytest.raises(RuntimeError, match="initial weights"):
+        out = run_distributed(_step_fn, 1, [f"model.hf_config={d}"], [])
+    assert out is None
