@@ -31,6 +31,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "config": Subcommand("megatron_tg.config.command",
                          "resolve a recipe plus overrides and print the config "
                          "(--dry-run: also the parallel layout)"),
+    "train": Subcommand("megatron_tg.train.cli",
+                        "run the TG loop from a recipe (one process per GPU via torchrun/srun)"),
     "describe": Subcommand("megatron_tg.models.describe",
                            "parameter counts and per-rank shard sizes of an HF Qwen3(-MoE) "
                            "config, built on the meta device"),

@@ -9,6 +9,8 @@ from megatron_tg.config.base import ConfigError, check_choice, check_range
 
 ENGINES = ("embedded", "sglang")
 SANDBOXES = ("bwrap", "none")
+STALE_POLICIES = ("drop", "regenerate")
+PAUSE_MODES = ("in_place", "retract", "abort")
 
 
 @dataclass
@@ -56,6 +58,19 @@ class RolloutConfig:
     buffer_size: int = 16
     """Most finished groups queued for the trainer; generation pauses while it is full."""
 
+    max_inflight_rollouts: int = 0
+    """Most rollouts generating at once (the engines' load); a new group starts when there is
+    room for all group_size of its rollouts. 0 = buffer_size * group_size."""
+
+    stale_policy: str = "drop"
+    """What happens to a group older than max_staleness: "drop" it (counted as dropped/stale) or
+    "regenerate" its prompt (at most max_retries times, then dropped)."""
+
+    pause_mode: str = "in_place"
+    """How engines pause for an in-flight weight update: "in_place" (keep running requests and
+    their KV cache), "retract" (keep requests, drop and recompute the cache) or "abort" (cut
+    them; the rollout resubmits the rest of the turn after the update)."""
+
     request_timeout_s: float = 600.0
     """Seconds before one generation request to an engine is abandoned and retried."""
 
@@ -73,11 +88,46 @@ class RolloutConfig:
     allow_unsandboxed: bool = False
     """Explicit consent to ``sandbox=none``; model-written code then runs with your permissions."""
 
+    tool_timeout_s: float = 30.0
+    """Wall-clock limit of one run_shell / run_tests call; also its CPU-seconds limit."""
+
+    tool_memory_mb: int = 2048
+    """Address-space limit of each sandboxed process (prlimit --as)."""
+
+    tool_max_procs: int = 64
+    """Most processes a sandboxed command may run at once (prlimit --nproc; stops fork bombs)."""
+
+    tool_output_chars: int = 8192
+    """Most characters of one tool result shown to the agent; the rest is cut with a note."""
+
+    test_timeout_s: float = 60.0
+    """Wall-clock limit of the hidden tests run after the last turn (the pass-rate reward)."""
+
+    search_default_lines: int = 5
+    """Lines the search tool returns when the call omits its ``lines`` argument."""
+
+    sync_master_address: Optional[str] = None
+    """Address the engines reach trainer rank 0 at for the weight-update group (SGLang's
+    ``init_weights_update_group``); default: loopback for embedded engines, else this host."""
+
+    sync_bucket_mb: int = 512
+    """Weight sync bucket size in MiB (one broadcast per bucket)."""
+
     def validate(self) -> None:
         check_choice("rollout.engine", self.engine, ENGINES)
         check_choice("rollout.sandbox", self.sandbox, SANDBOXES)
+        check_choice("rollout.stale_policy", self.stale_policy, STALE_POLICIES)
+        check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
+        check_range("rollout.max_inflight_rollouts", self.max_inflight_rollouts, ge=0)
+        if self.max_inflight_rollouts and self.max_inflight_rollouts < self.group_size:
+            raise ConfigError(f"rollout.max_inflight_rollouts: must be 0 (auto) or >= rollout.group_size="
+                              f"{self.group_size} (room for one whole group); got {self.max_inflight_rollouts}")
+        for name in ("tool_timeout_s", "test_timeout_s"):
+            check_range(f"rollout.{name}", getattr(self, name), gt=0)
+        for name in ("tool_memory_mb", "tool_max_procs", "tool_output_chars", "search_default_lines"):
+            check_range(f"rollout.{name}", getattr(self, name), ge=1)
         for name in ("num_engines", "engine_tp", "prompts_per_step", "max_new_tokens", "max_turns",
-                     "buffer_size"):
+                     "buffer_size", "sync_bucket_mb"):
             check_range(f"rollout.{name}", getattr(self, name), ge=1)
         # A group of one has advantage 0 whatever its reward: GRPO would learn nothing.
         check_range("rollout.group_size", self.group_size, ge=2)

@@ -6,7 +6,10 @@ Math contract (paper §4, eq. for L(θ)):
   D_t = D(π_θ(·|s_t), sg π_e(·|s_t, f)) computed on the sharded vocabulary
   (:func:`megatron_tg.ops.vocab_parallel_kl`), D = KL(π_θ ‖ π_e) ("reverse", the paper's),
   KL(π_e ‖ π_θ) ("forward") or the β-JSD ("jsd"); ``kl_direction``. No sampling estimator.
-  The expert is stop-gradient: its logits are detached and receive no gradient.
+  The expert is stop-gradient: its logits are detached and receive no gradient. The loss is
+  written as Σ_t w_t D_t with weights from :func:`kl_token_weights`; on the fused path
+  (hidden states) :func:`megatron_tg.ops.fused_vocab_parallel_kl_loss` folds w into its
+  gradient and never materialises logits.
 * Gate g_t ∈ {0, 1} (:func:`build_gate`): 1 on assistant tokens of turns that failed ≥1
   criterion (mode "tg"); of every assistant turn ("always_on", "opsd"); thinking tokens get
   0 unless thinking is distilled (``distill_thinking`` and mode != "no_thinking").

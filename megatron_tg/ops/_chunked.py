@@ -90,6 +90,7 @@ class ChunkedLogits(torch.autograd.Function):
             g = kernel.backward(shard, zs, ze, _opt_slice(aux, a, b),
                                 tuple(s[a:b] for s in saved), grad_out[a:b])
             grad[a:b, :n] = g
+            del g  # free before the next chunk's temporaries exist
         return None, None, None, grad, None, None
 
 
@@ -142,6 +143,7 @@ class ChunkedLinear(torch.autograd.Function):
                                  tuple(s[a:b] for s in saved), grad_out[a:b])
             del zs, ze
             _linear_grads(gz, h, w, a, b, grad_h, grad_w)
+            del gz  # free before the next chunk's logits exist
         if need_h and ctx.reduce_hidden_grad:
             grad_h = shard.all_sum(grad_h)
         if need_w:
@@ -184,16 +186,25 @@ class ChunkedLinearLoss(torch.autograd.Function):
                 gz = kernel.backward(shard, zs, ze, None, saved, tw[a:b])
                 del zs, ze
                 _linear_grads(gz, h, w, a, b, grad_h, grad_w)
+                del gz
+            else:
+                del zs, ze
         if need_h and reduce_hidden_grad:
             grad_h = shard.all_sum(grad_h)
-        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        # Kept on ctx, not via save_for_backward: they are intermediates, and backward scales
+        # them in place (a copy of grad_W is [Vs, H], often the largest buffer of the op).
+        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(out)
         return (out * tw).sum(), out
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, _grad_values: Optional[torch.Tensor]):
-        grad_h, grad_w = ctx.saved_tensors
-        scale = grad_loss.to(grad_h.dtype if grad_h is not None else grad_w.dtype)
-        return (None, None, None, None,
-                None if grad_h is None else grad_h * scale,
-                None if grad_w is None else grad_w * scale, None, None, None, None)
+        if ctx.grads is None:
+            raise RuntimeError("fused_vocab_parallel_kl_loss: backward can run only once "
+                               "(its gradients are precomputed and scaled in place)")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        for g in (grad_h, grad_w):
+            if g is not None:
+                g.mul_(grad_loss.to(g.dtype))
+        return None, None, None, None, grad_h, grad_w, None, None, None, None

@@ -102,7 +102,11 @@ class EntropyKernel(Kernel):
 
 
 class KLKernel(Kernel):
-    """KL in direction ``reverse`` (student ‖ expert) or ``forward`` (expert ‖ student)."""
+    """KL in direction ``reverse`` (student ‖ expert) or ``forward`` (expert ‖ student).
+
+    Temporaries are ordered so that at most two c × n blocks (plus a bool mask) are live
+    besides the inputs, in forward and in backward: the chunk size sets the op's memory.
+    """
 
     uses_expert = True
 
@@ -113,30 +117,31 @@ class KLKernel(Kernel):
     def forward(self, shard, zs, ze, aux):
         maxes = shard.all_max(torch.stack([shard.local_max(zs), shard.local_max(ze)], -1))
         ms, me = maxes[:, 0], maxes[:, 1]
-        zs0 = zs - ms[:, None]
-        ze0 = ze - me[:, None]
+        # KL(p_x ‖ p_y) with x the distribution that weights the log-ratio.
+        x, mx, y, my = (zs, ms, ze, me) if self.direction == "reverse" else (ze, me, zs, ms)
+        sum_y = (y - my[:, None]).exp_().sum(-1)
+        x0 = x - mx[:, None]
         # Differences of max-shifted logits: large only where the KL itself is large, so the
         # later "A/S - log S + log S'" does not cancel catastrophically (±1e4 logits).
-        diff = zs0 - ze0 if self.direction == "reverse" else ze0 - zs0
-        es, ee = zs0.exp_(), ze0.exp_()
-        weight = es if self.direction == "reverse" else ee
-        a = _zero_where_no_mass(diff.mul_(weight), weight).sum(-1)
-        red = shard.all_sum(torch.stack([es.sum(-1), ee.sum(-1), a], -1))
-        log_ss, log_se = red[:, 0].log(), red[:, 1].log()
-        if self.direction == "reverse":
-            kl = red[:, 2] / red[:, 0] - log_ss + log_se
-        else:
-            kl = red[:, 2] / red[:, 1] - log_se + log_ss
-        return kl, (ms + log_ss, me + log_se, kl)
+        diff = (y - my[:, None]).neg_().add_(x0)  # x0 - y0
+        ex = x0.exp_()
+        sum_x = ex.sum(-1)
+        a = _zero_where_no_mass(diff.mul_(ex), ex).sum(-1)
+        del diff, ex
+        red = shard.all_sum(torch.stack([sum_x, sum_y, a], -1))
+        log_sx, log_sy = red[:, 0].log(), red[:, 1].log()
+        kl = red[:, 2] / red[:, 0] - log_sx + log_sy
+        lse_x, lse_y = mx + log_sx, my + log_sy
+        lse_s, lse_e = (lse_x, lse_y) if self.direction == "reverse" else (lse_y, lse_x)
+        return kl, (lse_s, lse_e, kl)
 
     def backward(self, shard, zs, ze, aux, saved, g):
         lse_s, lse_e, kl = saved
-        lps = zs - lse_s[:, None]
-        lpe = ze - lse_e[:, None]
-        ps = lps.exp()
+        ps = (zs - lse_s[:, None]).exp_()
         if self.direction == "forward":
-            return ps.sub_(lpe.exp_()).mul_(g[:, None])
-        grad = lps.sub_(lpe).sub_(kl[:, None]).mul_(ps)
+            return ps.sub_((ze - lse_e[:, None]).exp_()).mul_(g[:, None])
+        # log p_s - log p_e - KL = (z_s - z_e) - (lse_s - lse_e) - KL, without a log p_e block.
+        grad = (zs - ze).sub_((lse_s - lse_e + kl)[:, None]).mul_(ps)
         return _zero_where_no_mass(grad, ps).mul_(g[:, None])
 
 
@@ -151,11 +156,15 @@ class JSDKernel(Kernel):
         self.beta = beta
         self.log_b, self.log_1mb = math.log(beta), math.log1p(-beta)
 
-    def _log_probs(self, zs, ze, lse_s, lse_e):
-        lps = zs - lse_s[:, None]
-        lpe = ze - lse_e[:, None]
-        lm = torch.logaddexp(lpe + self.log_b, lps + self.log_1mb)
-        return lps, lpe, lm
+    def _log_mixture(self, lps: torch.Tensor, lpe: torch.Tensor) -> torch.Tensor:
+        lm = lpe + self.log_b
+        return torch.logaddexp(lm, lps + self.log_1mb, out=lm)
+
+    @staticmethod
+    def _kl_to_mixture(lp: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+        """Σ p (log p − log m); consumes ``lp``."""
+        p = lp.exp()
+        return _zero_where_no_mass(lp.sub_(lm).mul_(p), p).sum(-1)
 
     def forward(self, shard, zs, ze, aux):
         maxes = shard.all_max(torch.stack([shard.local_max(zs), shard.local_max(ze)], -1))
@@ -163,19 +172,22 @@ class JSDKernel(Kernel):
         sums = shard.all_sum(torch.stack([(zs - ms[:, None]).exp_().sum(-1),
                                           (ze - me[:, None]).exp_().sum(-1)], -1))
         lse_s, lse_e = ms + sums[:, 0].log(), me + sums[:, 1].log()
-        lps, lpe, lm = self._log_probs(zs, ze, lse_s, lse_e)
-        ps, pe = lps.exp(), lpe.exp()
-        t_s = _zero_where_no_mass(lps.sub_(lm).mul_(ps), ps).sum(-1)
-        t_e = _zero_where_no_mass(lpe.sub_(lm).mul_(pe), pe).sum(-1)
+        lps, lpe = zs - lse_s[:, None], ze - lse_e[:, None]
+        lm = self._log_mixture(lps, lpe)
+        t_s = self._kl_to_mixture(lps, lm)
+        t_e = self._kl_to_mixture(lpe, lm)
+        del lps, lpe, lm
         terms = shard.all_sum(torch.stack([t_s, t_e], -1))
         t_s, t_e = terms[:, 0], terms[:, 1]
         return self.beta * t_e + (1.0 - self.beta) * t_s, (lse_s, lse_e, t_s)
 
     def backward(self, shard, zs, ze, aux, saved, g):
         lse_s, lse_e, kl_s_m = saved
-        lps, _, lm = self._log_probs(zs, ze, lse_s, lse_e)
+        lps = zs - lse_s[:, None]
+        lm = self._log_mixture(lps, ze - lse_e[:, None])
         ps = lps.exp()
         grad = lps.sub_(lm).sub_(kl_s_m[:, None]).mul_(ps)
+        del lm
         return _zero_where_no_mass(grad, ps).mul_(g[:, None] * (1.0 - self.beta))
 
 

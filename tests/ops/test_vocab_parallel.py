@@ -180,3 +180,13 @@ def test_weighted_fused_loss_does_no_gradient_work_without_grad(monkeypatch):
     assert len(calls) == 3  # with grad: one gradient pass per chunk, inside forward
     with pytest.raises(ValueError, match="token_weights"):
         fused_vocab_parallel_kl_loss(h, h, w, torch.ones(4))
+
+
+def test_weighted_fused_loss_refuses_a_second_backward():
+    """Its gradients are precomputed and scaled in place: a retained second pass must fail loudly."""
+    h = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    loss, _ = fused_vocab_parallel_kl_loss(h, h.detach() * 2, w, torch.ones(4, dtype=torch.float64))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        loss.backward()

@@ -19,6 +19,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--attn-implementation", default=None, help="e.g. sdpa or eager (default: transformers')")
     ap.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "INFO"))
     args = ap.parse_args(argv)
+    # Slurm's pre-time-limit warning (SIGUSR1) is signalled to every process of the trainer's
+    # step, engines started by rank 0 included; it is the trainer's cue to checkpoint, and the
+    # engine must keep serving until the trainer stops it.
+    import signal
+
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     import torch

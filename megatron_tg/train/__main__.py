@@ -1,0 +1,5 @@
+import sys
+
+from megatron_tg.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,62 @@
+"""``python -m megatron_tg.train`` / ``megatron-tg train``: run the TG loop from a recipe.
+
+The default rollout side is the agentic coding harness over ``rollout.tasks`` (a JSONL
+task file; the built-in Python tasks when unset), judged by ``judge.rubric``. Launch one
+process per GPU (torchrun locally, srun on Slurm); a plain ``python`` is a world of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", help="YAML recipe merged over the defaults")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+
+def default_rollout_side(trainer):
+    """Rank 0's rollout machinery for a recipe: harness + tasks + rubric + engines."""
+    from megatron_tg.agent.harness import AgentHarness
+    from megatron_tg.agent.tasks import builtin_tasks, load_tasks
+    from megatron_tg.judge import LLMJudgeClient, LLMJudgeConfig, load_rubric
+    from megatron_tg.train.rollouts import RolloutSide
+
+    cfg = trainer.cfg
+    if not cfg.judge.rubric:
+        raise ValueError("judge.rubric must name a rubric YAML (e.g. recipes/rubrics/tool_format.yaml)")
+    rubric = load_rubric(cfg.judge.rubric)
+    llm = None
+    if rubric.llm_criteria():
+        if not cfg.judge.endpoint:
+            raise ValueError(f"rubric {rubric.name!r} has LLM-judged criteria: set judge.endpoint")
+        llm = LLMJudgeClient(LLMJudgeConfig(base_url=cfg.judge.endpoint, model=cfg.judge.model or "judge",
+                                            timeout_s=cfg.judge.timeout_s,
+                                            max_attempts=cfg.judge.max_retries + 1))
+    tasks = load_tasks(cfg.rollout.tasks) if cfg.rollout.tasks else builtin_tasks()
+    harness = AgentHarness(trainer.tokenizer, cfg.rollout)
+    return RolloutSide(cfg, trainer.tokenizer, harness, tasks, rubric,
+                       engine_model_dir=cfg.model.hf_checkpoint, log_dir=cfg.logging.run_dir,
+                       version=0, llm=llm)  # engines start on the base weights: version 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_tg.config import load_config, save_resolved
+    from megatron_tg.train.loop import run as run_loop
+
+    cfg = load_config(args.recipe, list(args.overrides))
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        save_resolved(cfg)
+    return run_loop(cfg, make_rollout_side=default_rollout_side)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_tg.train", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

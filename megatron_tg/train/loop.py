@@ -1,0 +1,127 @@
+"""The TG training loop: generate -> judge -> train (GRPO + gated KL) -> sync -> checkpoint/log.
+
+    python -m megatron_tg.train --recipe recipes/tiny_cpu.yaml [key=value ...]
+
+One process per GPU (torchrun or srun); global rank 0 also owns the rollout side (engines,
+manager, judge), which generates in the background while the trainer trains. On SIGUSR1 or
+SIGTERM (Slurm's warning before the time limit) the loop finishes the current step, saves a
+checkpoint and exits with :data:`EXIT_REQUEUE` so the batch script requeues the job; a
+restarted job resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_tg.config.schema import TGConfig
+from megatron_tg.parallel.dims import Axis
+from megatron_tg.rollout.engine.launch import free_port
+from megatron_tg.train.metrics import MetricsLogger
+from megatron_tg.train.trainer import Trainer
+from megatron_tg.train.weight_sync import push_weights
+
+EXIT_DONE, EXIT_REQUEUE = 0, 75  # 75 = EX_TEMPFAIL: "try again", the Slurm scripts' contract
+
+
+class StopFlag:
+    """Set by SIGUSR1/SIGTERM; every rank agrees on it once per step (an all-reduce)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._set)
+
+    def _set(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.requested = bool(flag.item())
+        return self.requested
+
+
+def share_for_this_rank(trainer: Trainer, samples, metrics):
+    """Rank 0's judged samples -> every rank; each DP rank keeps its slice."""
+    box = [(samples, metrics) if trainer.ctx.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    samples, metrics = box[0]
+    dp, dp_rank = trainer.ctx.dims.dp, trainer.ctx.rank_in(Axis.DP)
+    if len(samples) < dp:
+        raise RuntimeError(f"{len(samples)} trainable rollouts for {dp} data-parallel ranks "
+                           "(raise rollout.prompts_per_step or group_size)")
+    return samples[dp_rank::dp], metrics
+
+
+def sync_weights(trainer: Trainer, side, *, restart: bool = False) -> dict[str, float]:
+    """Collective: the trainer's weights -> every engine, as policy version ``trainer.step``.
+
+    ``restart``: engines just started on the base weights while the manager (restored from
+    the checkpoint) already counts ``trainer.step``; nothing is generating yet, so the push
+    goes straight to the engines without a version bump."""
+    args = (trainer.model, trainer.arch, trainer.ctx)
+    if side is None:  # not rank 0: take part in the gathers only
+        return asyncio.run(push_weights(None, None, *args, version=trainer.step)).as_metrics()
+    if side.weight_group is None:
+        host = side.cfg.rollout.sync_master_address or (
+            "127.0.0.1" if side.engines else socket.gethostname())
+        side.weight_group = side.call(side.client.init_weights_update_group(
+            host, free_port(), group_name="tg-weights"))
+    def push():  # the manager pauses the engines around it and sets their version
+        return push_weights(side.client, side.weight_group, *args, version=trainer.step,
+                            bucket_bytes=side.cfg.rollout.sync_bucket_mb << 20)
+
+    if restart:
+        return side.call(push()).as_metrics()
+    stats = side.call(side.manager.update_weights(push, version=trainer.step))
+    return stats.as_metrics()
+
+
+def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
+    """Train ``cfg.steps`` steps; returns the process exit code."""
+    trainer = Trainer(cfg)
+    state = trainer.resume() or {}
+    rank0 = trainer.ctx.rank == 0
+    side = make_rollout_side(trainer) if rank0 else None
+    if side is not None and "rollouts" in state:
+        side.load_state_dict(state["rollouts"])
+    if trainer.step > 0:  # the engines serve the base weights: bring them to the checkpoint's
+        sync_weights(trainer, side, restart=True)
+    log = MetricsLogger(cfg.logging, cfg.logging.run_dir, enabled=rank0,
+                        total_steps=cfg.steps, start_step=trainer.step)
+    stop = StopFlag()
+    code = EXIT_DONE
+    try:
+        while trainer.step < cfg.steps:
+            t0 = time.perf_counter()
+            batch = side.next_batch(trainer.step) if rank0 else (None, None)      # generate + judge
+            samples, metrics = share_for_this_rank(trainer, *batch)
+            t1 = time.perf_counter()
+            metrics.update(trainer.train_step(samples))                          # GRPO + gated KL
+            t2 = time.perf_counter()
+            metrics.update(sync_weights(trainer, side))                          # -> engines
+            tokens = sum(len(s.rollout.token_ids) for s in samples) * trainer.ctx.dims.dp
+            metrics.update({"time/rollout_wait": t1 - t0, "time/train": t2 - t1,
+                            "time/step": time.perf_counter() - t0,
+                            "throughput/train_tokens_per_s": tokens / max(t2 - t1, 1e-9)})
+            log.log(trainer.step, metrics)
+            stopping = stop.agreed()
+            if stopping or trainer.step % cfg.checkpoint.interval == 0 or trainer.step == cfg.steps:
+                trainer.save({"rollouts": side.state_dict() if rank0 else None})  # checkpoint
+            if stopping and trainer.step < cfg.steps:
+                code = EXIT_REQUEUE
+                break
+    finally:
+        log.close()
+        if side is not None:
+            side.close()
+    dist.barrier()  # no rank leaves before rank 0 has stopped its engines
+    dist.destroy_process_group()
+    return code

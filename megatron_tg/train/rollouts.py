@@ -1,0 +1,166 @@
+"""Global rank 0's rollout side: engines, client, manager and judge on a background event loop.
+
+Generation never waits for training (PipelineRL-style): the manager keeps producing groups
+on the background loop while the trainer's main thread trains; the main thread only blocks
+in :meth:`RolloutSide.next_batch` (for judged groups) and in :meth:`RolloutSide.sync`.
+
+Rewards and feedback (what the objective receives):
+- each rubric criterion is a 0/1 score; the scalar reward is Σ_c w_c · score_c with the
+  rubric's weights, unless ``objective.criterion_weights`` names a criterion (then that
+  weight wins); mode ``opsd`` keeps only primary criteria (rubric ``primary: true`` or
+  ``objective.primary_criteria``). Advantages are group-relative over the rollouts of a
+  group that were judged without error;
+- a rollout whose judging failed is excluded and reported to the manager as dropped
+  (``judge_error``) when its whole group is lost; never counted as a pass or a fail;
+- feedback: the judge's failing turns in ``tg``/``no_thinking``; in ``always_on``/``opsd``
+  every assistant turn a criterion covers gets that criterion's feedback, failing or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from megatron_tg.config.schema import TGConfig
+from megatron_tg.judge import Judge
+from megatron_tg.judge.rubric import Rubric
+from megatron_tg.objectives import combine_rewards, group_advantages, mode_switches
+from megatron_tg.rollout.client import SGLangClient
+from megatron_tg.rollout.manager import RolloutGroup, RolloutManager
+from megatron_tg.rollout.types import Rollout
+from megatron_tg.train.batching import TrainSample
+
+
+def _covered_turns(rollout: Rollout, scope: str) -> list[int]:
+    n = rollout.num_turns
+    if n == 0:
+        return []
+    if scope in ("final_turn", "rollout"):
+        return [n - 1]
+    if scope == "any_tool_call":
+        return [k for k, seg in enumerate(rollout.assistant_turns()) if seg.tool_calls]
+    return list(range(n))  # every_turn
+
+
+def feedback_for(rollout: Rollout, result, rubric: Rubric, always: bool) -> dict[int, str]:
+    """Turn -> feedback text: failing turns (``always=False``) or every covered turn."""
+    if not always:
+        return result.feedback_by_turn()
+    out: dict[int, list[str]] = {}
+    for c in rubric.criteria:
+        if c.feedback:
+            for k in _covered_turns(rollout, c.scope):
+                out.setdefault(k, []).append(c.feedback)
+    return {k: "\n".join(v) for k, v in out.items()}
+
+
+def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg: TGConfig
+                   ) -> tuple[list[TrainSample], list[str], dict[str, float]]:
+    """TrainSamples with group-relative advantages; ids of groups lost to judge errors; metrics."""
+    names = [c.name for c in rubric.criteria]
+    obj = cfg.objective
+    weights = {**rubric.weights(), **dict(obj.criterion_weights)}
+    primary = list(obj.primary_criteria) or [c.name for c in rubric.criteria if c.primary]
+    obj_cfg = replace(obj, criterion_weights=weights, primary_criteria=primary)
+    always = not mode_switches(obj).failing_turns_only
+    flat = [(g, ro, res) for g, rs in zip(groups, results) for ro, res in zip(g.rollouts, rs)]
+    ok = [(g, ro, res) for g, ro, res in flat if res.trainable]
+    lost = sorted({g.group_id for g in groups} - {g.group_id for g, _, _ in ok})
+    metrics: dict[str, float] = {"rollout/judge_errors": float(len(flat) - len(ok)),
+                                 "rollout/groups_lost": float(len(lost))}
+    if not ok:
+        return [], lost, metrics
+    scores = torch.tensor([[1.0 if res.passed.get(n, False) else 0.0 for n in names]
+                           for _, _, res in ok])
+    rewards = combine_rewards(scores, names, obj_cfg)
+    position = {id(g): i for i, g in enumerate(groups)}
+    gids = torch.tensor([position[id(g)] for g, _, _ in ok])
+    adv = group_advantages(rewards, gids, obj_cfg)
+    samples = [TrainSample(ro, float(a), feedback_for(ro, res, rubric, always))
+               for (g, ro, res), a in zip(ok, adv.tolist())]
+    for i, n in enumerate(names):
+        metrics[f"criteria/{n}"] = float(scores[:, i].mean())
+    if primary:
+        idx = [names.index(n) for n in primary if n in names]
+        metrics["criteria/primary"] = float(scores[:, idx].min(dim=1).values.mean())
+    metrics["reward/mean"] = float(rewards.mean())
+    metrics["reward/std"] = float(rewards.std()) if len(ok) > 1 else 0.0
+    lengths = [sum(seg.end - seg.start for seg in s.rollout.assistant_turns()) for s in samples]
+    metrics["rollout/response_tokens"] = float(statistics.mean(lengths))
+    metrics["rollout/turns"] = float(statistics.mean(s.rollout.num_turns for s in samples))
+    return samples, lost, metrics
+
+
+class RolloutSide:
+    """Engines + client + manager + judge, driven from the trainer's main thread."""
+
+    def __init__(self, cfg: TGConfig, tokenizer, rollout_fn: Callable, tasks: Sequence[Any],
+                 rubric: Rubric, *, engine_model_dir: str | None, log_dir: str | Path,
+                 version: int = 0, llm=None) -> None:
+        self.cfg, self.rubric = cfg, rubric
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollouts", daemon=True)
+        self._thread.start()
+        self.engines = []
+        if cfg.rollout.engine == "embedded":
+            from megatron_tg.rollout.engine.launch import start_engines
+
+            if engine_model_dir is None:
+                raise ValueError("the embedded engine needs an HF model directory to serve")
+            self.engines = start_engines([Path(engine_model_dir)] * cfg.rollout.num_engines,
+                                         Path(log_dir) / "engines")
+            urls = [e.url for e in self.engines]
+        else:
+            urls = list(cfg.rollout.server_urls)
+            if not urls:
+                raise ValueError("rollout.server_urls is empty (needed when rollout.engine=sglang)")
+        r = cfg.rollout
+        self.client = SGLangClient(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+        self.manager = RolloutManager(self.client, rollout_fn, tasks, r, epochs=None,
+                                      vocab_size=len(tokenizer), initial_version=version)
+        self.judge = Judge(rubric, tokenizer, llm=llm)
+        self.weight_group = None
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def next_batch(self, version: int) -> tuple[list[TrainSample], dict[str, float]]:
+        groups = self.call(self.manager.get_batch(version))
+        infos = {g.rollouts[0].task_id: g.task for g in groups if g.rollouts}
+        results = self.call(self.judge.judge_many([ro for g in groups for ro in g.rollouts],
+                                                  task_infos=infos))
+        it = iter(results)
+        per_group = [[next(it) for _ in g.rollouts] for g in groups]
+        samples, lost, metrics = judged_samples(groups, per_group, self.rubric, self.cfg)
+        for gid in lost:
+            self.manager.report_dropped(gid, "judge_error")
+        metrics["rollout/staleness_max"] = float(max((g.staleness(version) for g in groups),
+                                                    default=0))
+        metrics["rollout/gen_seconds"] = float(sum(g.gen_seconds for g in groups))
+        metrics.update({f"manager/{k}": float(v) for k, v in self.manager.counters().items()
+                        if isinstance(v, (int, float))})
+        return samples, metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manager.load_state_dict(state)
+
+    def close(self) -> None:
+        try:
+            self.call(self.manager.stop())
+            if self.weight_group is not None:
+                self.call(self.client.destroy_weights_update_group(self.weight_group))
+            self.call(self.client.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            for e in self.engines:
+                e.stop()

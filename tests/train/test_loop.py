@@ -1,0 +1,116 @@
+"""The whole loop on CPU: 2 trainer ranks (TP=2), one embedded engine, the agent harness on the
+built-in tasks, the tool-format rubric, weight sync and checkpoints.
+
+- a run writes one metrics row per step, with the criterion rates, KL, entropy, sync stats;
+  the engine ends at the trainer's policy version;
+- SIGUSR1 mid-run: the loop finishes the step, checkpoints and exits 75; a restart resumes
+  from that step and finishes; the metrics file has each step exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.models.qwen3_moe.common import tiny_hf_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    from megatron_tg.chat import get_tiny_tokenizer
+
+    tok = get_tiny_tokenizer()
+    d = tmp_path_factory.mktemp("policy")
+    _, model, _ = tiny_hf_model(vocab_size=len(tok))
+    model.config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def _launch(policy_dir, run_dir, steps, extra=()):
+    """Two trainer processes started the way srun starts tasks (rank env vars, no agent),
+    so each one's exit code is observable, as Slurm's batch script sees them."""
+    overrides = [f"model.hf_config={policy_dir}", f"model.hf_checkpoint={policy_dir}",
+                 f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir}/ckpt",
+                 f"steps={steps}", "parallel.tp=2", "parallel.sequence_parallel=true",
+                 "checkpoint.interval=100",
+                 "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.buffer_size=2",
+                 "rollout.max_new_tokens=48", "rollout.max_turns=2", "rollout.max_staleness=1",
+                 "logging.progress_bar=false", *extra]
+    port = str(_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+               "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        log = open(Path(run_dir) / f"rank{rank}.log", "ab")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "megatron_tg.train", "--recipe", "recipes/tiny_cpu.yaml",
+             *overrides], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait(procs, timeout):
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+    return codes
+
+
+def _port():
+    from megatron_tg.rollout.engine.launch import free_port
+
+    return free_port()
+
+
+def _rows(run_dir):
+    p = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def _tail(run_dir):
+    return "\n".join((Path(run_dir) / f"rank{r}.log").read_text()[-4000:] for r in range(2))
+
+
+@pytest.mark.slow
+def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    procs = _launch(policy_dir, run_dir, steps=4)
+    deadline = time.monotonic() + 400
+    while len(_rows(run_dir)) < 1:  # wait for step 1 to finish, then ask to stop
+        assert all(p.poll() is None for p in procs), _tail(run_dir)
+        assert time.monotonic() < deadline, _tail(run_dir)
+        time.sleep(1)
+    # Like Slurm's --signal to the step's tasks: every rank gets SIGUSR1.
+    for p in procs:
+        p.send_signal(signal.SIGUSR1)
+    assert _wait(procs, 300) == [75, 75], _tail(run_dir)
+    stopped_at = len(_rows(run_dir))
+    assert 1 <= stopped_at < 4
+    latest = (run_dir / "ckpt" / "latest").read_text().strip()
+    assert latest == f"step_{stopped_at:08d}"
+
+    procs = _launch(policy_dir, run_dir, steps=4)
+    assert _wait(procs, 500) == [0, 0], _tail(run_dir)
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    last = rows[-1]
+    for key in ("loss", "criteria/tests_pass", "criteria/search_lines", "kl/frac_gated",
+                "entropy/all", "sync/bytes", "sync/seconds", "rollout/staleness_max",
+                "optim/grad_norm", "reward/mean"):
+        assert key in last, sorted(last)
+    assert last["sync/tensors"] > 0 and last["rollout/staleness_max"] <= 1
+    assert (run_dir / "config.yaml").exists()
+    assert (run_dir / "ckpt" / "latest").read_text().strip() == "step_00000004"
