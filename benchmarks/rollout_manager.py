@@ -14,9 +14,11 @@ Throughput = generated tokens / wall-clock seconds. Every request samples exactl
 ``--tokens`` tokens (``ignore_eos``), so both sides do identical engine work; the ratio
 shows the manager's overhead (bookkeeping, group synchronisation, buffer hand-off). The
 target is >= 0.95 (median of the per-round ratios; the pooled ratio is total tokens / total
-time). CPU time per 1k tokens of the client process (the manager's own cost) and of the
-engine (its batching efficiency: fewer requests in flight cost more CPU per token) is printed
-too; on a shared machine CPU time is much steadier than wall-clock.
+time). On a shared machine wall-clock swings by tens of percent between identical runs, so
+steadier figures are printed too: CPU time per 1k tokens of the client process (the manager's
+own cost) and of the engine (its batching efficiency: fewer requests in flight cost more CPU
+per token), and the time from the start to the first request and from the last answer to the
+end of a run (what the manager adds to the critical path).
 
     python benchmarks/rollout_manager.py                 # 12 prompts x G=8 x 64 tokens, 10 rounds
     python benchmarks/rollout_manager.py --quick         # 8 prompts, 1 round
@@ -94,6 +96,24 @@ async def single_turn(ctx) -> Rollout:
                    finish_reason="length" if out.finish_type == "length" else "stop")
 
 
+class Timed:
+    """Wraps the client to time the first request and the last answer of a run: whatever the
+    manager adds before the first request or after the last answer is its critical-path cost."""
+
+    def __init__(self, client):
+        self.client, self.first, self.last = client, None, None
+
+    async def generate(self, *a, **k):
+        now = time.perf_counter()
+        self.first = now if self.first is None else min(self.first, now)
+        res = await self.client.generate(*a, **k)
+        self.last = time.perf_counter()
+        return res
+
+    def __getattr__(self, name):  # pause/continue etc. go straight through
+        return getattr(self.client, name)
+
+
 async def run_raw(client, prompts, params, group_size, concurrency) -> tuple[int, float]:
     sem = asyncio.Semaphore(concurrency)
 
@@ -144,19 +164,22 @@ async def bench(url, engine_pid, args) -> None:
           f"{args.buffer_size} groups (<= {concurrency} requests in flight); prompts_per_step={args.prompts_per_step}")
     async with SGLangClient([url]) as client:
         await run_raw(client, prompts[:2], params, args.group_size, concurrency)  # warm-up
-        ratios, cpu_ratios = [], []
+        ratios, cpu_ratios, edges = [], [], {"raw": [], "manager": []}
         tot = {"raw": [0, 0.0, 0.0, 0.0], "manager": [0, 0.0, 0.0, 0.0]}
         for k in range(args.rounds):
             res = {}
             # alternate which side goes first, so load drifts within a round cancel out
             for side in (("raw", "manager") if k % 2 == 0 else ("manager", "raw")):
                 c0, e0 = time.process_time(), cpu_seconds(engine_pid)
+                timed = Timed(client)
+                t0 = time.perf_counter()
                 if side == "raw":
-                    n, dt = await run_raw(client, prompts, params, args.group_size, concurrency)
+                    n, dt = await run_raw(timed, prompts, params, args.group_size, concurrency)
                 else:
-                    n, dt = await run_manager(client, prompts, params, cfg)
+                    n, dt = await run_manager(timed, prompts, params, cfg)
                 assert n == args.prompts * args.group_size * args.tokens
                 res[side] = (n, dt, time.process_time() - c0, cpu_seconds(engine_pid) - e0)
+                edges[side].append(((timed.first - t0) * 1e3, (t0 + dt - timed.last) * 1e3))
                 for i, x in enumerate(res[side]):
                     tot[side][i] += x
             (rt, rdt, rcpu, recpu), (mt, mdt, mcpu, mecpu) = res["raw"], res["manager"]
@@ -170,6 +193,9 @@ async def bench(url, engine_pid, args) -> None:
     for what, i in (("client", 2), ("engine", 3)):
         print(f"{what} CPU per 1k tokens: raw {1000 * tot['raw'][i] / tot['raw'][0]:.3f} s, manager "
               f"{1000 * tot['manager'][i] / tot['manager'][0]:.3f} s")
+    for side in ("raw", "manager"):
+        print(f"{side}: median {statistics.median(e[0] for e in edges[side]):.1f} ms to the first request, "
+              f"{statistics.median(e[1] for e in edges[side]):.1f} ms from the last answer to the end")
     print(f"engine-CPU-normalised ratio (tokens per engine CPU-second, manager / raw; insensitive to "
           f"other load): median {statistics.median(cpu_ratios):.3f}")
     print(f"manager / raw throughput: median {med:.3f} over {len(ratios)} rounds (min {min(ratios):.3f}, "

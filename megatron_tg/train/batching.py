@@ -127,8 +127,7 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
     student = pack([s.rollout.token_ids for s in samples], row_tokens, pad_multiple, pad_id)
     rows, targets, behaviour, rindex, failed, thinking = [], [], [], [], [], []
     tokref: list[tuple[int, int]] = []  # (sample, token index) of each loss row
-    expert_seqs: list[list[int]] = []
-    expert_pos: dict[tuple[int, int], tuple[int, int]] = {}  # (sample, token i) -> (eseq, epos)
+    turnref: list[int] = []  # assistant turn of each loss row
     for k, s in enumerate(samples):
         ro = s.rollout
         amask, tmask = ro.assistant_mask(), ro.thinking_mask()
@@ -138,31 +137,47 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
                 continue
             rows.append(student.flat(k, i - 1))
             tokref.append((k, i))
+            turnref.append(turn_of[i])
             targets.append(ro.token_ids[i])
             behaviour.append(lps[i])
             rindex.append(k)
             failed.append(turn_of[i] in s.feedback_by_turn)
             thinking.append(bool(tmask[i]))
-        if s.feedback_by_turn:
-            mode = cfg.expert_sequence
-            for eseq in build_expert_sequences(ro, s.feedback_by_turn, tokenizer, mode, framing):
-                e = len(expert_seqs)
-                expert_seqs.append(eseq.token_ids)
-                for i, on in enumerate(eseq.kl_mask):
-                    if on:
-                        expert_pos[(k, i)] = (e, eseq.position_map[i] - 1)
     rows_t = torch.tensor(rows, dtype=torch.long)
     loss_mask = torch.ones(len(rows), dtype=torch.bool)
     failed_t = torch.tensor(failed, dtype=torch.bool)
     gate = build_gate(loss_mask, failed_t, torch.tensor(thinking, dtype=torch.bool), cfg)
     gate = gate * failed_t.float()  # an expert exists only where feedback was given
 
+    # Expert sequences only for turns with a gated row: feedback on turns the mode does not
+    # distil (e.g. mode "grpo") must not cost an expert forward pass.
+    gated_turns: dict[int, set[int]] = {}
+    for j in gate.nonzero().squeeze(1).tolist():
+        gated_turns.setdefault(tokref[j][0], set()).add(turnref[j])
+    expert_seqs: list[list[int]] = []
+    expert_pos: dict[tuple[int, int], tuple[int, int]] = {}  # (sample, token i) -> (eseq, epos)
+    for k, turns in sorted(gated_turns.items()):
+        fb = {t: samples[k].feedback_by_turn[t] for t in sorted(turns)}
+        for eseq in build_expert_sequences(samples[k].rollout, fb, tokenizer,
+                                           cfg.expert_sequence, framing):
+            e = len(expert_seqs)
+            expert_seqs.append(eseq.token_ids)
+            for i, on in enumerate(eseq.kl_mask):
+                if on:
+                    expert_pos[(k, i)] = (e, eseq.position_map[i] - 1)
+
     # Gated rows in increasing flat order; their expert rows in the same order.
     order = torch.argsort(rows_t)
     rows_t = rows_t[order]
     fields = [torch.tensor(x)[order] for x in (targets, behaviour, rindex)]
     gate = gate[order]
-    expert = pack(expert_seqs, row_tokens, pad_multiple, pad_id) if expert_seqs else None
+    expert = None
+    if expert_seqs:
+        # An expert sequence is longer than its rollout by the inserted feedback, so a rollout
+        # that fits the student's row budget may not fit it: widen the expert rows instead of
+        # failing (the budget bounds packing, not which rollouts can be trained on).
+        budget = max(row_tokens, max(len(x) for x in expert_seqs))
+        expert = pack(expert_seqs, budget, pad_multiple, pad_id)
     expert_rows = []
     for j in gate.nonzero().squeeze(1).tolist():
         e, epos = expert_pos[tokref[int(order[j])]]

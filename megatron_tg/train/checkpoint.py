@@ -76,11 +76,15 @@ class Checkpointer:
         return path
 
     @staticmethod
-    def _sharded(model, optimizer) -> dict[str, Any]:
+    def _sharded(model, optimizer, expert=None) -> dict[str, Any]:
         model_sd = unwrap(model).sharded_state_dict()
-        return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+        out = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+        if expert is not None:  # frozen/EMA expert weights, sharded like the policy's
+            out["expert"] = expert.sharded_state_dict(prefix="expert.")
+        return out
 
-    def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> Path:
+    def save(self, step: int, model, optimizer, trainer_state: dict[str, Any],
+             expert=None) -> Path:
         """Collective: every rank calls it. Returns the final directory."""
         from megatron.core import dist_checkpointing
 
@@ -92,7 +96,7 @@ class Checkpointer:
             (tmp / "dist").mkdir(parents=True)
             (tmp / "rng").mkdir()
         _barrier()
-        dist_checkpointing.save(self._sharded(model, optimizer), str(tmp / "dist"))
+        dist_checkpointing.save(self._sharded(model, optimizer, expert), str(tmp / "dist"))
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
         if _rank() == 0:
             torch.save({"step": step, **trainer_state}, tmp / "trainer_state.pt")
@@ -115,12 +119,15 @@ class Checkpointer:
         for old in done[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, model, optimizer) -> dict[str, Any]:
-        """Collective: restore model, optimizer and this rank's RNG; return the trainer state."""
+    def load(self, path: Path, model, optimizer, expert=None) -> dict[str, Any]:
+        """Collective: restore model, optimizer (and expert) and this rank's RNG; return the
+        trainer state."""
         from megatron.core import dist_checkpointing
 
-        state = dist_checkpointing.load(self._sharded(model, optimizer), str(path / "dist"))
+        state = dist_checkpointing.load(self._sharded(model, optimizer, expert), str(path / "dist"))
         unwrap(model).load_state_dict(state["model"])
+        if expert is not None:  # keys carry the "expert." prefix the save gave them
+            expert.load_state_dict({k.removeprefix("expert."): v for k, v in state["expert"].items()})
         optimizer.load_state_dict(state["optimizer"])
         rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
         if rng_file.exists():  # absent when resuming at a different world size

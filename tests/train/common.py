@@ -103,7 +103,12 @@ def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir
                 len(s.rollout.token_ids) for s in samples), pad_multiple=tp)
             objective = TGObjective(obj_cfg, group=ctx.group(Axis.TP),
                                     reduce_hidden_grad=ops_reduce_hidden_grad(ddp))
-            out = micro_batch_loss(ddp, objective, mb, vocab_size=arch.vocab_size)
+            expert = None
+            if obj_cfg.expert != "shared":  # a separate expert with its own (different) weights
+                expert = build_model(arch, tp=tp, ep=ep, etp=etp)
+                load_hf_weights(expert, {k: v * 1.1 for k, v in state.items()}, arch, layout)
+            out = micro_batch_loss(ddp, objective, mb, vocab_size=arch.vocab_size,
+                                   expert_model=expert)
             out.loss.backward()
             finalize_model_grads([ddp])
             grads = {}

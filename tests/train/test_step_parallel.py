@@ -20,7 +20,8 @@ from tests.train.common import make_samples, step_rank_fn, tiny_policy
 CONFIGS = [ObjectiveConfig(mode="tg", kl_direction="reverse", kl_coef=0.5),
            ObjectiveConfig(mode="tg", kl_direction="forward", kl_coef=0.5,
                            expert_sequence="exact"),
-           ObjectiveConfig(mode="grpo")]
+           ObjectiveConfig(mode="grpo"),
+           ObjectiveConfig(mode="tg", kl_direction="jsd", kl_coef=0.5, expert="frozen")]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def _compare(per_rank, ref, dp, what):
 def test_parallel_step_matches_single_process(setup, world, layouts):
     tok, cfg, state, samples, ref = setup
     assert ref[0]["n_gated"] > 0 and ref[1]["n_gated"] > 0 and ref[2]["n_gated"] == 0
+    assert ref[3]["n_gated"] > 0
     out = run_distributed(step_rank_fn, world, layouts, state, cfg, samples, CONFIGS,
                           tok.name_or_path)
     for i, layout in enumerate(layouts):
@@ -57,10 +59,14 @@ def test_parallel_step_matches_single_process(setup, world, layouts):
 
 
 def test_kl_changes_the_gradient(setup):
-    """The TG and GRPO gradients differ (the KL term is really there)."""
+    """The TG and GRPO gradients differ (the KL term is really there), and a separate expert
+    with other weights changes it again."""
     *_, ref = setup
-    diff = max((ref[0]["grads"][k] - ref[2]["grads"][k]).abs().max().item() for k in ref[0]["grads"])
-    assert diff > 1e-4
+
+    def diff(a, b):
+        return max((ref[a]["grads"][k] - ref[b]["grads"][k]).abs().max().item() for k in ref[a]["grads"])
+
+    assert diff(0, 2) > 1e-4 and diff(3, 2) > 1e-4
 
 
 def test_tg_with_nothing_failing_equals_grpo_bitwise(setup):

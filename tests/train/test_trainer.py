@@ -64,3 +64,41 @@ def test_untrained_start_is_refused(tmp_path, checkpoint):
     with pytest.raises(RuntimeError, match="initial weights"):
         out = run_distributed(_step_fn, 1, [f"model.hf_config={d}"], [])
     assert out is None
+
+
+def _expert_fn(rank, world, overrides, samples, ckpt_dir):
+    from megatron_tg.config import load_config
+    from megatron_tg.train.trainer import Trainer
+
+    cfg = load_config("recipes/tiny_cpu.yaml", overrides)
+    trainer = Trainer(cfg)
+    flat = lambda m: torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()])
+    before_policy, before_expert = flat(trainer.gpt), flat(trainer.expert_model)
+    trainer.train_step(samples)
+    after_policy, after_expert = flat(trainer.gpt), flat(trainer.expert_model)
+    trainer.save({})
+    again = Trainer(cfg)  # restarts from the same base weights, then resumes the checkpoint
+    again.resume()
+    return dict(before=(before_policy, before_expert), after=(after_policy, after_expert),
+                resumed=(flat(again.gpt), flat(again.expert_model)))
+
+
+@pytest.mark.parametrize("kind", ["frozen", "ema"])
+def test_frozen_and_ema_expert(checkpoint, tmp_path, kind):
+    d, tok, cfg, state = checkpoint
+    samples = make_samples(tok, cfg, state)
+    decay = 0.9
+    out = run_distributed(_expert_fn, 1, [
+        f"model.hf_config={d}", f"model.hf_checkpoint={d}", "model.seq_length=1024",
+        "rollout.max_context_tokens=1024", "optimizer.lr=1e-3", "optimizer.micro_batch_tokens=4096",
+        f"objective.expert={kind}", f"objective.ema_decay={decay}", "objective.kl_coef=0.5",
+        f"checkpoint.dir={tmp_path}/ckpt", f"logging.run_dir={tmp_path}/run"], samples,
+        str(tmp_path / "ckpt"))[0]
+    p0, e0 = out["before"]
+    p1, e1 = out["after"]
+    assert torch.equal(p0, e0) and not torch.equal(p0, p1)  # starts as the policy; policy moved
+    if kind == "frozen":
+        assert torch.equal(e1, e0)
+    else:
+        torch.testing.assert_close(e1, decay * e0 + (1 - decay) * p1, atol=1e-7, rtol=1e-6)
+    assert torch.equal(out["resumed"][0], p1) and torch.equal(out["resumed"][1], e1)

@@ -1,0 +1,178 @@
+"""The agentic coding harness: one rollout = one agent episode on one task.
+
+Loop (token-exact; the engine's ids and log-probs are stored as generated, never re-tokenised)::
+
+    prompt = chat template(system + tool specs, user instruction) + generation prompt
+    repeat:
+        turn = engine.generate(context)               # RolloutContext.generate
+        parse it (parse_assistant); no tool call and nothing malformed -> done ("stop")
+        run the calls in the sandboxed workspace; malformed calls become error observations
+        append the tool responses as the template renders them (+ the next generation prompt)
+    until the turn limit ("max_turns") or the context limit ("length")
+    then run the hidden tests on a copy of the final workspace -> metadata["tests_passed"]
+
+The result's metadata key ``tests_passed`` is what the judge's ``tests_pass`` checker reads.
+A harness instance is shared by all rollouts (it holds no per-rollout state) and is the
+``rollout_fn`` given to :class:`~megatron_tg.rollout.manager.RolloutManager`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from typing import Any
+
+from megatron_tg.agent.sandbox import Limits, Sandbox, rmtree
+from megatron_tg.agent.tasks import Task, materialize, write_files
+from megatron_tg.agent.tools import Tools, tool_specs
+from megatron_tg.chat.builder import RolloutBuilder
+from megatron_tg.chat.framing import ToolCall, continuation_ids, stop_token_id
+from megatron_tg.config.rollout import RolloutConfig
+from megatron_tg.rollout.types import Rollout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a coding agent. Your current directory is the task's workspace. Use the tools to "
+    "inspect and change files and to run commands. When the task is done, reply with a short "
+    "summary and no tool call.")
+MALFORMED_HINT = ("Write tool calls as <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n"
+                  "</parameter>\n</function>\n</tool_call>")
+TEST_OUTPUT_CHARS = 2000
+
+
+class AgentHarness:
+    def __init__(self, tokenizer, config: RolloutConfig | None = None, *, sandbox: Sandbox | None = None,
+                 system_prompt: str = DEFAULT_SYSTEM_PROMPT, workspace_root: str | None = None):
+        self.tok = tokenizer
+        self.cfg = config or RolloutConfig()
+        self.sandbox = sandbox or Sandbox.from_config(self.cfg)
+        self.shell_limits = self.sandbox.limits
+        self.test_limits = Limits(**{**vars(self.sandbox.limits), "wall_s": self.cfg.test_timeout_s,
+                                     "cpu_s": max(1, int(self.cfg.test_timeout_s + 0.999))})
+        self.system_prompt = system_prompt
+        self.workspace_root = workspace_root
+        self.tools = tool_specs(self.cfg.search_default_lines)
+        self.eos = stop_token_id(tokenizer)
+
+    async def __call__(self, ctx) -> Rollout:
+        return await self.run(ctx)
+
+    def _sandbox_for(self, task: Task) -> Sandbox:
+        if not task.source:
+            return self.sandbox
+        sb = copy.copy(self.sandbox)  # same limits and checks; also hide this task file
+        sb.hide = self.sandbox.hide + [task.source]
+        return sb
+
+    async def run(self, ctx) -> Rollout:
+        task = ctx.task if isinstance(ctx.task, Task) else Task.from_dict(ctx.task)
+        ws = tempfile.mkdtemp(prefix="tg-ws-", dir=self.workspace_root)
+        try:
+            await asyncio.to_thread(materialize, task, ws)  # a repo copy can be large
+            if not self.sandbox.checked:  # once, before per-task copies are made
+                await self.sandbox.self_test(ws)
+            sandbox = self._sandbox_for(task)
+            await asyncio.to_thread(sandbox.adopt, ws, ws)
+            tools = Tools(ws, sandbox, test_command=task.test_command,
+                          search_default_lines=self.cfg.search_default_lines,
+                          max_output_chars=self.cfg.tool_output_chars, shell_limits=self.shell_limits)
+            b = RolloutBuilder(self.tok, [{"role": "system", "content": self.system_prompt},
+                                          {"role": "user", "content": task.instruction}],
+                               tools=self.tools, task_id=task.id, group_id=ctx.group_id, rollout_id=ctx.rollout_id)
+            finish, stats = await self._loop(ctx, b, tools)
+            metadata = {**stats, **await self._hidden_tests(task, ws, sandbox)}
+            return b.build(finish, metadata)
+        finally:
+            rmtree(ws)
+
+    async def _loop(self, ctx, b: RolloutBuilder, tools: Tools) -> tuple[str, dict[str, Any]]:
+        stats = {"tool_calls": 0, "tool_failures": 0, "malformed_tool_calls": 0, "search_calls": 0,
+                 "search_calls_with_lines": 0}
+        for turn in range(self.cfg.max_turns):
+            room = self.cfg.max_context_tokens - len(b.token_ids)
+            if room <= 0:
+                return "length", stats
+            out = await ctx.generate(b.token_ids, max_new_tokens=min(self.cfg.max_new_tokens, room))
+            parsed = b.add_assistant(out.ids, out.logprobs, out.version, meta=out.segment_meta())
+            if out.finish_type == "length" or (out.finish_type != "stop" and not parsed.terminated):
+                return "length", stats  # cut mid-turn: its calls may be incomplete, stop here
+            events = sorted(parsed.tool_calls + parsed.errors, key=lambda c: c.start)
+            if not events:
+                return "stop", stats
+            if turn == self.cfg.max_turns - 1:
+                return "max_turns", stats  # no next turn would see the tool results
+            messages, calls_meta = [], []
+            for ev in events:
+                if isinstance(ev, ToolCall):
+                    res = await tools.call(ev.name, ev.arguments)
+                    stats["tool_calls"] += 1
+                    stats["tool_failures"] += not res.ok
+                    if ev.name == "search":
+                        stats["search_calls"] += 1
+                        stats["search_calls_with_lines"] += "lines" in ev.arguments
+                    text, meta = res.output, {"name": ev.name, "ok": res.ok}
+                else:
+                    stats["malformed_tool_calls"] += 1
+                    text = (f"Error: malformed tool call{' to ' + ev.name if ev.name else ''}: {ev.message}. "
+                            + MALFORMED_HINT)
+                    meta = {"name": ev.name, "ok": False, "malformed": True}
+                messages.append({"role": "tool", "content": text})
+                calls_meta.append(meta)
+            close = b.token_ids[-1] != self.eos  # the engine stopped without emitting it
+            extra = continuation_ids(self.tok, messages, history=b.history, tools=self.tools)
+            if len(b.token_ids) + len(extra) + int(close) >= self.cfg.max_context_tokens:
+                return "length", stats  # the observations leave no room for another turn
+            b.add_messages(messages, close_turn=close, meta={"calls": calls_meta})
+        return "max_turns", stats
+
+    async def _hidden_tests(self, task: Task, ws: str, sandbox: Sandbox) -> dict[str, Any]:
+        """Run the hidden tests on a copy of the final workspace (the agent never sees them and
+        cannot touch the copy: its processes are gone when this runs)."""
+        ev = tempfile.mkdtemp(prefix="tg-eval-", dir=self.workspace_root)
+
+        def prepare():
+            shutil.copytree(ws, ev, symlinks=True, dirs_exist_ok=True, ignore=_special_files)
+            write_files(ev, task.hidden_files)
+            sandbox.adopt(ev, ev)
+
+        try:
+            await asyncio.to_thread(prepare)
+            res = await sandbox.run(task.hidden_test_command, ev, self.test_limits)
+        finally:
+            rmtree(ev)
+        return {"tests_passed": res.ok,
+                "tests": {"exit_code": res.exit_code, "timed_out": res.timed_out,
+                          "output": res.describe()[-TEST_OUTPUT_CHARS:]}}
+
+
+def _special_files(src: str, names: list[str]) -> list[str]:
+    """copytree filter: FIFOs, sockets and devices the agent made (copying a FIFO blocks)."""
+    out = []
+    for n in names:
+        try:
+            m = os.lstat(os.path.join(src, n)).st_mode
+        except OSError:
+            out.append(n)
+            continue
+        if not (stat.S_ISREG(m) or stat.S_ISDIR(m) or stat.S_ISLNK(m)):
+            out.append(n)
+    return out
+
+
+def run_standalone(harness: AgentHarness, client, task: Task, *, version: int = 0,
+                   sampling_params: dict[str, Any] | None = None, rollout_id: str = "r0"):
+    """A coroutine running one rollout outside the manager (evaluation, debugging, tests)."""
+    from megatron_tg.rollout.context import RolloutContext, VersionGate
+
+    ctx = RolloutContext(client, task, group_id=f"{task.id}@0", rollout_id=rollout_id,
+                         gate=VersionGate(version), sampling_params=sampling_params)
+    return harness.run(ctx)
+
+
+__all__ = ["AgentHarness", "DEFAULT_SYSTEM_PROMPT", "run_standalone"]

@@ -1,0 +1,170 @@
+"""What a rollout function gets for one rollout: the task, ids, and a ``generate`` that is
+aware of policy versions and in-flight weight updates.
+
+:class:`RolloutContext.generate` is the only way rollout functions (the agent harness) should
+call the engine under the :class:`~megatron_tg.rollout.manager.RolloutManager`:
+
+* it waits while a weight update is in progress (the manager's :class:`VersionGate` is
+  closed), so a new turn never starts on weights that are being replaced;
+* it reports the policy version of the turn: the version when the turn was first submitted,
+  i.e. the OLDEST weights that produced any of its tokens (what the staleness filter must
+  see; see :attr:`megatron_tg.rollout.types.Segment.policy_version`), plus every version it
+  spanned when an in-place pause let it continue on new weights;
+* a turn aborted by a weight update (pause mode ``abort``) is resubmitted after the update
+  with the tokens generated so far appended to the input, and the pieces are concatenated,
+  so the turn's token ids and log-probs stay exactly what the engine sampled;
+* it checks the engine's answer (log-probs present, one per token, ids in the vocabulary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+class EngineError(RuntimeError):
+    """Generation failed for good (after the client's retries / repeated aborts)."""
+
+
+class MalformedOutputError(ValueError):
+    """The engine's answer cannot be used for training (no log-probs, ids out of range...)."""
+
+
+class VersionGate:
+    """The engines' current policy version, and a gate closed while weights are replaced."""
+
+    def __init__(self, version: int = 0):
+        self.epoch = 0  # bumped whenever an update starts: "was this request cut by an update?"
+        self.history = [int(version)]  # every version set, in order (what a long turn spanned)
+        self._open = asyncio.Event()
+        self._open.set()
+
+    @property
+    def version(self) -> int:
+        return self.history[-1]
+
+    def set_version(self, version: int) -> None:
+        self.history.append(int(version))
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def close(self) -> None:
+        self.epoch += 1
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def wait_open(self) -> None:
+        if not self._open.is_set():
+            await self._open.wait()
+
+
+@dataclass
+class TurnOutput:
+    ids: list[int]
+    logprobs: list[float]
+    version: int
+    """Oldest policy version that generated any of these tokens."""
+    versions: list[int]
+    """All versions the turn may span (more than one after an in-flight weight update)."""
+    finish_type: str
+    """The engine's finish reason type: "stop", "length" or "abort"."""
+    finish_reason: dict[str, Any] = field(default_factory=dict)
+    resubmits: int = 0
+    """Times the turn was resubmitted after an abort (each continues where it stopped)."""
+    weight_version: str | None = None
+    """The engine's own weight-version string at the end of the turn."""
+
+    def segment_meta(self) -> dict[str, Any]:
+        """What the harness stores in the assistant segment's ``meta``."""
+        meta: dict[str, Any] = {"finish": self.finish_type, "versions": list(self.versions)}
+        if self.resubmits:
+            meta["resubmits"] = self.resubmits
+        if self.weight_version is not None:
+            meta["weight_version"] = self.weight_version
+        return meta
+
+
+class RolloutContext:
+    def __init__(self, client, task: Any, *, group_id: str, rollout_id: str, index: int = 0,
+                 gate: VersionGate | None = None, sampling_params: dict[str, Any] | None = None,
+                 max_aborts: int = 3, vocab_size: int | None = None):
+        self.client = client
+        self.task = task
+        self.group_id = group_id
+        self.rollout_id = rollout_id
+        self.index = index
+        """Position of this rollout within its GRPO group."""
+        self.gate = gate if gate is not None else VersionGate()
+        self.sampling_params = dict(sampling_params or {})
+        self.max_aborts = max_aborts
+        self.vocab_size = vocab_size
+        self.turns = 0
+
+    @property
+    def version(self) -> int:
+        return self.gate.version
+
+    async def generate(self, input_ids: Sequence[int], max_new_tokens: int | None = None,
+                       **sampling_overrides: Any) -> TurnOutput:
+        params = {**self.sampling_params, **sampling_overrides}
+        if max_new_tokens is not None:
+            params["max_new_tokens"] = int(max_new_tokens)
+        budget = params.get("max_new_tokens")
+        prompt = [int(t) for t in input_ids]
+        turn, self.turns = self.turns, self.turns + 1
+        ids: list[int] = []
+        lps: list[float] = []
+        versions: list[int] = []
+        aborts = resubmits = 0
+        k = 0
+        while True:
+            await self.gate.wait_open()
+            v, epoch, seen = self.gate.version, self.gate.epoch, len(self.gate.history)
+            if not versions or versions[-1] != v:
+                versions.append(v)
+            p = dict(params)
+            if budget is not None:
+                p["max_new_tokens"] = budget - len(ids)
+            res = await self.client.generate(prompt + ids, p, return_logprob=True,
+                                             rid=f"{self.rollout_id}/t{turn}.{k}")
+            k += 1
+            self._check(res)
+            ids += [int(t) for t in res.output_ids]
+            lps += [float(x) for x in res.output_logprobs]
+            if res.finish_type != "abort":
+                versions += self.gate.history[seen:]  # continued in place on newer weights
+            if res.finish_type == "abort":
+                if self.gate.epoch != epoch or not self.gate.is_open:  # cut by a weight update
+                    if budget is not None and len(ids) >= budget:
+                        return self._out(ids, lps, versions, "length", res, resubmits)
+                    resubmits += 1
+                    continue
+                aborts += 1  # aborted for another reason (server-side): retry a few times
+                if aborts > self.max_aborts:
+                    raise EngineError(f"{self.rollout_id}: turn {turn} aborted {aborts} times "
+                                      f"({res.finish_reason})")
+                resubmits += 1
+                continue
+            return self._out(ids, lps, versions, res.finish_type, res, resubmits)
+
+    @staticmethod
+    def _out(ids, lps, versions, finish_type, res, resubmits) -> TurnOutput:
+        return TurnOutput(ids, lps, min(versions), sorted(set(versions)), finish_type,
+                          dict(res.finish_reason or {}), resubmits, res.weight_version)
+
+    def _check(self, res) -> None:
+        if res.output_logprobs is None:
+            raise MalformedOutputError(f"{self.rollout_id}: engine returned no log-probs")
+        if len(res.output_logprobs) != len(res.output_ids):
+            raise MalformedOutputError(f"{self.rollout_id}: {len(res.output_logprobs)} log-probs for "
+                                       f"{len(res.output_ids)} tokens")
+        if self.vocab_size is not None:
+            bad = [t for t in res.output_ids if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise MalformedOutputError(f"{self.rollout_id}: token ids {bad[:5]} outside the "
+                                           f"vocabulary [0, {self.vocab_size})")
