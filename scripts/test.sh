@@ -12,6 +12,7 @@ cd "$root"
 venv="${VENV:-$root/.venv}"
 
 bash scripts/setup.sh --dev
+bash scripts/system_deps.sh
 
 echo "+ $venv/bin/python -m pytest $*"
 rc=0

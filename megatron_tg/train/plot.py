@@ -1,0 +1,78 @@
+"""Curves of one or more runs side by side, like the paper's figures (criterion rates, pass
+rate, entropy, KL), from each run's ``metrics.jsonl``.
+
+    python tools/plot_run.py RUN_DIR [RUN_DIR ...] --out curves.png [--labels a b ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Sequence
+
+from megatron_tg.train.metrics import read_metrics
+
+PANELS = [
+    ("criteria/", "criterion pass rates"),
+    ("criteria/primary", "primary (task) pass rate"),
+    ("entropy/all", "token entropy (all assistant tokens)"),
+    ("kl/mean_gated", "KL on gated tokens"),
+]
+
+
+def _series(rows, key):
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and v == v:  # skip missing and NaN
+            xs.append(r["step"])
+            ys.append(v)
+    return xs, ys
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None,
+              smooth: int = 1) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on training machines
+    import matplotlib.pyplot as plt
+
+    labels = list(labels or [Path(d).name for d in run_dirs])
+    if len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
+    runs = [read_metrics(d) for d in run_dirs]
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+    for ax, (key, title) in zip(axes, PANELS):
+        for rows, label in zip(runs, labels):
+            keys = sorted({k for r in rows for k in r if k.startswith(key)}) if key.endswith("/") \
+                else [key]
+            keys = [k for k in keys if k != "criteria/primary"] if key.endswith("/") else keys
+            for k in keys:
+                xs, ys = _series(rows, k)
+                if smooth > 1 and ys:
+                    ys = [sum(ys[max(0, i - smooth + 1):i + 1]) / len(ys[max(0, i - smooth + 1):i + 1])
+                          for i in range(len(ys))]
+                name = label if len(keys) == 1 else f"{label}: {k.split('/', 1)[1]}"
+                ax.plot(xs, ys, label=name)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    ap.add_argument("--out", required=True, help="PNG to write")
+    ap.add_argument("--labels", nargs="*", help="one label per run (default: directory names)")
+    ap.add_argument("--smooth", type=int, default=1, help="moving-average window in steps")
+    args = ap.parse_args(argv)
+    print(plot_runs(args.runs, args.out, args.labels, args.smooth))
+    return 0

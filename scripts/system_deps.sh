@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Debian packages the test suite uses beyond Python: bubblewrap (the agent sandbox),
+# util-linux's prlimit/setpriv (its limits). Installed with apt-get when running as root and
+# missing; otherwise the missing ones are named, and the tests that need them say so.
+set -euo pipefail
+
+need=()
+command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
+command -v prlimit >/dev/null 2>&1 || need+=(util-linux)
+[ "${#need[@]}" -eq 0 ] && exit 0
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "system_deps.sh: installing ${need[*]}"
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+else
+  echo "system_deps.sh: missing ${need[*]} (install them with your package manager;" \
+       "the tests that need them will report it)" >&2
+fi
