@@ -106,6 +106,10 @@ class RolloutConfig:
     search_default_lines: int = 5
     """Lines the search tool returns when the call omits its ``lines`` argument."""
 
+    router_url: Optional[str] = None
+    """An sglang-router in front of ``server_urls``: generation goes through it, while admin
+    calls (pause, weight updates) still go to every server in ``server_urls``."""
+
     sync_master_address: Optional[str] = None
     """Address the engines reach trainer rank 0 at for the weight-update group (SGLang's
     ``init_weights_update_group``); default: loopback for embedded engines, else this host."""

@@ -7,7 +7,6 @@ import os
 import re
 import resource
 import threading
-import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -115,6 +114,7 @@ class MemoryTracker:
 
     peak_anon_kb: int = 0
     baseline_anon_kb: int = 0
+    phases: dict = field(default_factory=dict)
 
     def mark_baseline(self) -> None:
         self.baseline_anon_kb = _proc_status_kb("RssAnon")
@@ -122,6 +122,11 @@ class MemoryTracker:
 
     def sample(self) -> None:
         self.peak_anon_kb = max(self.peak_anon_kb, _proc_status_kb("RssAnon"))
+
+    def end_phase(self, name: str) -> None:
+        """Remember the peak so far under ``name`` (e.g. the load before the export)."""
+        self.sample()
+        self.phases[name] = self.peak_anon_kb * 1024
 
     @contextlib.contextmanager
     def watch(self, interval_s: float = 0.01):
@@ -146,15 +151,8 @@ class MemoryTracker:
         self.sample()
         hwm = _proc_status_kb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return {"peak_rss": hwm * 1024, "peak_anon": self.peak_anon_kb * 1024,
-                "baseline_anon": self.baseline_anon_kb * 1024}
-
-
-@dataclass
-class Stopwatch:
-    start: float = field(default_factory=time.perf_counter)
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.start
+                "baseline_anon": self.baseline_anon_kb * 1024,
+                **{f"peak_anon_{k}": v for k, v in self.phases.items()}}
 
 
 def summary_line(verb: str, tensors: int, nbytes_: int, seconds: float, out_dir: str,

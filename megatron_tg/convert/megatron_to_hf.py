@@ -91,9 +91,11 @@ def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
             if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
     stored = dist_checkpointing.load_tensors_metadata(ckpt_dir)
     missing = [k for k in mine if k not in stored]
+    # allow_shape_mismatch marks the vocab-padded tensors, whose padding depends on TP.
     wrong = [f"{k} {tuple(stored[k].global_shape)} (model: {tuple(v.global_shape)})"
              for k, v in mine.items() if isinstance(v, ShardedTensor) and k in stored
-             and not v.allow_shape_mismatch and tuple(v.global_shape) != tuple(stored[k].global_shape)]
+             and not v.allow_shape_mismatch
+             and tuple(v.global_shape) != tuple(stored[k].global_shape)]
     everyone = _all_gather_object((sorted(mine), missing, wrong))
     requested = set().union(*(set(e[0]) for e in everyone))
     missing = sorted(set().union(*(e[1] for e in everyone)))
@@ -149,6 +151,7 @@ def _export_worker(rank: int, world: int, job: ExportJob) -> dict[str, Any]:
                         vocab_pad_multiple=job.vocab_pad_multiple)
     with mem.watch():
         load_megatron_checkpoint(model, job.megatron_dir)
+    mem.end_phase("load")
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     t_load = time.perf_counter()
     layout = current_layout(job.vocab_pad_multiple, model=model)  # with the PP layer offset
@@ -179,7 +182,7 @@ def _export_worker(rank: int, world: int, job: ExportJob) -> dict[str, Any]:
 
     # Every rank derives the same file assignment from everyone's plan.
     plans = _all_gather_object(plan)
-    files = [(r, run) for r, p in enumerate(plans) for run in pack_files(p, job.max_shard_bytes)]
+    files = [(r, run) for r, pl in enumerate(plans) for run in pack_files(pl, job.max_shard_bytes)]
     n_files = len(files)
     names = [f"model-{i + 1:05d}-of-{n_files:05d}.safetensors" for i in range(n_files)]
     weight_map = {t.name: names[i] for i, (_, run) in enumerate(files) for t in run}
@@ -239,8 +242,8 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
     # (step_N/) holds them in dist/ next to its own state: accept both.
     dist_dir = next((d for d in (mdir, mdir / "dist") if _is_torch_dist(d)), None)
     if dist_dir is None:
-        raise ConversionError(f"{mdir} is not a megatron torch_dist checkpoint "
-                              "(no metadata.json with sharded_backend=torch_dist, here or in dist/)")
+        raise ConversionError(f"{mdir} is not a megatron torch_dist checkpoint (no metadata.json "
+                              "with sharded_backend=torch_dist, here or in dist/)")
     meta = read_metadata(mdir)
     cfg_dir = Path(hf_config_dir) if hf_config_dir else mdir / HF_CONFIG_SUBDIR
     if not (cfg_dir / "config.json").exists():

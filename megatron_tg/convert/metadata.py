@@ -32,11 +32,15 @@ def arch_dict(arch: Qwen3Arch) -> dict[str, Any]:
     return d
 
 
+# Fields that change neither the weights nor the forward pass: a config may differ in them.
+_NOT_ARCHITECTURE = ("router_aux_loss_coef", "max_position_embeddings")
+
+
 def arch_mismatch(arch: Qwen3Arch, recorded: dict[str, Any]) -> list[str]:
     """Fields where ``arch`` differs from an ``architecture`` record (empty: they agree)."""
     mine = arch_dict(arch)
     return [f"{k}: config {mine.get(k)!r}, checkpoint {v!r}" for k, v in recorded.items()
-            if mine.get(k) != v]
+            if k not in _NOT_ARCHITECTURE and mine.get(k) != v]
 
 
 def versions() -> dict[str, str]:

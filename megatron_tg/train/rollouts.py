@@ -121,7 +121,12 @@ class RolloutSide:
             if not urls:
                 raise ValueError("rollout.server_urls is empty (needed when rollout.engine=sglang)")
         r = cfg.rollout
-        self.client = SGLangClient(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+        if r.router_url:  # generation via the router; admin calls to every engine directly
+            self.client = SGLangClient([r.router_url], timeout_s=r.request_timeout_s,
+                                       max_retries=r.max_retries, admin_urls=urls)
+        else:
+            self.client = SGLangClient(urls, timeout_s=r.request_timeout_s,
+                                       max_retries=r.max_retries)
         self.manager = RolloutManager(self.client, rollout_fn, tasks, r, epochs=None,
                                       vocab_size=len(tokenizer), initial_version=version)
         self.judge = Judge(rubric, tokenizer, llm=llm)

@@ -115,3 +115,23 @@ def test_layout_that_does_not_divide(model_a, tmp_path):
     with pytest.raises(LayoutError, match="num_experts=4 not divisible by ep=3"):
         convert_hf_to_megatron(model_a.dir, tmp_path / "out", ep=3)
     assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_config_of_another_model(model_a, tmp_path):
+    from megatron_tg.convert.metadata import arch_dict, write_metadata
+    from megatron_tg.models.qwen3_moe.config import Qwen3Arch
+
+    mg = tmp_path / "mg"
+    mg.mkdir()
+    (mg / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    write_metadata(mg, {"architecture": arch_dict(Qwen3Arch.from_hf(model_a.dir))})
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((model_a.dir / "config.json").read_text())
+    # A training-only field may differ; the expert width may not.
+    cfg.update(router_aux_loss_coef=0.5, moe_intermediate_size=64)
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match=r"different model.*moe_intermediate_size: config 64, "
+                                              r"checkpoint 32$"):
+        convert_megatron_to_hf(mg, tmp_path / "out", hf_config_dir=other)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import runpy
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,14 +19,17 @@ FIXTURES = ROOT / "tests" / "fixtures" / "hf_configs"
 CFG_30B = FIXTURES / "qwen3-coder-30b-a3b-instruct.json"
 
 
-def test_dry_run_30b_through_the_tool(tmp_path):
-    # config.json alone in a model dir: no weights are needed (or read).
+def test_dry_run_30b_through_the_tool(tmp_path, monkeypatch, capsys):
+    # config.json alone in a model dir: no weights are needed (or read). The tool script
+    # runs in this process (runpy, as __main__), which saves a second interpreter's imports.
     (tmp_path / "config.json").write_text(CFG_30B.read_text())
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "convert_hf_to_megatron.py"), "--hf-dir",
-         str(tmp_path), "--tp", "2", "--ep", "4", "--pp", "2", "--dry-run"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
+    monkeypatch.setattr(sys, "argv", ["convert_hf_to_megatron.py", "--hf-dir", str(tmp_path),
+                                      "--tp", "2", "--ep", "4", "--pp", "2", "--dry-run"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "tools" / "convert_hf_to_megatron.py"), run_name="__main__")
+    out = capsys.readouterr()
+    assert exit_.value.code == 0, out.err
+    proc = SimpleNamespace(stdout=out.out)
     lines = proc.stdout.strip().splitlines()
     assert "-> 16 processes" in lines[0] and "qwen3_moe in bfloat16" in lines[0]
     stage_lines = [ln for ln in lines if ln.strip().startswith("pp stage")]

@@ -14,6 +14,9 @@ import torch
 from megatron_tg.testing.distributed import run_distributed
 from tests.models.qwen3_moe.common import VOCAB
 
+# Spawns gloo workers (conversions, exports, a 4-rank load): minutes on 2 shared cores.
+pytestmark = pytest.mark.slow
+
 READ_LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, ep) on 4 ranks; the rest is DP
 
 

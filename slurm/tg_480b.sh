@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Qwen3-Coder-480B-A35B with targeted guidance (recipes/tg_480b.yaml) on 8-GPU H100 nodes.
+#
+#   sbatch slurm/tg_480b.sh [key=value ...]               from the repo root (once: mkdir -p runs/slurm)
+#   bash slurm/tg_480b.sh --dry-run [--nodes N]           print the role/node/GPU plan; start nothing
+#   TRAIN_NODES=.. bash slurm/tg_480b.sh [--opt=val ...]  size --nodes from the plan, then sbatch
+#
+# 57 nodes: 40 train (320 ranks: TP8 x PP2 x EP80, dp 20) + 16 rollout (8 SGLang engines x
+# TP16, each spanning 2 nodes, behind an sglang-router) + 1 judge. JUDGE_MODEL or JUDGE_URL as
+# in tg_30b.sh. Loading 960 GB per engine takes a while: HEALTH_TIMEOUT defaults to an hour.
+# Knobs (TRAIN_NODES, ROLLOUT_NODES, JUDGE_MODEL, ENGINE_ARGS, ...): header of slurm/lib.sh.
+# Site options (--partition, --account, --qos) go on the sbatch command line.
+#
+# allocation: whole nodes; the planner checks the count against the recipe at job start
+#SBATCH --job-name=tg_480b
+#SBATCH --nodes=57
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --mem=0
+#SBATCH --time=24:00:00
+# time limit and preemption: USR1 300 s before the end -> the trainer checkpoints and exits
+# 75 -> the job requeues itself and resumes (SLURM_RESTART_COUNT counts the restarts)
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+# output: appended across requeues; plan and one log per server in runs/slurm/%x-%j/
+#SBATCH --output=runs/slurm/%x-%j.log
+#SBATCH --open-mode=append
+set -euo pipefail
+export RECIPE="${RECIPE:-recipes/tg_480b.yaml}"
+export HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-3600}"
+# sbatch runs a spooled copy of this file, away from lib.sh: then the repo is the submit dir.
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [ -f "$here/lib.sh" ]; then TG_ROOT="${TG_ROOT:-$(dirname "$here")}"; else TG_ROOT="${TG_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"; fi
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$TG_ROOT/slurm/lib.sh"
+tg_main "$@"

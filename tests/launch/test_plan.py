@@ -1,0 +1,222 @@
+"""The Slurm planner: roles, nodes, GPUs and ports for the shipped recipes at several node counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_tg.config import ConfigError, RolloutConfig
+from megatron_tg.launch import plan as P
+from megatron_tg.launch import render as R
+from megatron_tg.launch.plan import Knobs, PlanError, make_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+R30, R235, R480, TINY = (str(ROOT / "recipes" / f"{n}.yaml") for n in ("tg_30b", "tg_235b", "tg_480b", "tiny_cpu"))
+HF = ROOT / "tests" / "fixtures" / "hf_configs"
+JUDGE = Knobs(judge_model="models/judge")
+
+
+def role_gpus(plan) -> tuple[int, int, int]:
+    return plan.gpus("train"), plan.gpus("engine"), plan.gpus("judge")
+
+
+# ---------------------------------------------------------------- the shipped recipes
+
+def test_tg_30b_default_layout():
+    plan = make_plan(R30, knobs=JUDGE)
+    assert plan.nodes == 5 and plan.roles == {
+        "train": ["node1", "node2"], "rollout": ["node3", "node4"], "judge": ["node5"]}
+    assert role_gpus(plan) == (16, 16, 8)
+    assert (plan.layout["tp"], plan.layout["ep"], plan.layout["dp"], plan.layout["edp"]) == (2, 8, 8, 2)
+    engines = [s for s in plan.servers if s.role == "engine"]
+    assert [s.hosts for s in engines] == [["node3"]] * 4 + [["node4"]] * 4
+    steps = {s.name: s for s in plan.steps}
+    assert steps["tg-engines-node3"].ntasks == 4 and steps["tg-engines-node3"].gpus_per_task == 2
+    assert steps["tg-router"].overlap and steps["tg-router"].hosts == ["node3"]
+    assert steps["tg-router"].gpus_per_task == steps["tg-router"].gpus_per_node == 0
+    assert (steps["tg-judge"].hosts, steps["tg-judge"].gpus_per_node) == (["node5"], 8)
+    train = steps["tg-train"]
+    assert (train.ntasks, train.tasks_per_node, train.gpus_per_node, train.overlap) == (16, 8, 8, False)
+    # GPU steps never overlap: Slurm 22.05's --overlap would share their GPUs
+    assert all(not s.overlap for s in plan.steps if s.gpus_per_task or s.gpus_per_node)
+    assert plan.master_addr == "node1" and not plan.blockers
+
+
+def test_tg_235b_default_layout():
+    plan = make_plan(R235, knobs=JUDGE)
+    assert (len(plan.roles["train"]), len(plan.roles["rollout"]), len(plan.roles["judge"])) == (16, 8, 1)
+    assert plan.nodes == 25 and role_gpus(plan) == (128, 64, 8)
+    assert (plan.layout["tp"], plan.layout["pp"], plan.layout["ep"], plan.layout["dp"]) == (4, 2, 32, 16)
+    engine_steps = [s for s in plan.steps if s.role == "engine"]
+    assert len(engine_steps) == 8 and all(s.ntasks == 1 and s.gpus_per_task == 8 for s in engine_steps)
+
+
+def test_tg_480b_engines_span_two_nodes():
+    plan = make_plan(R480, knobs=JUDGE)
+    assert plan.nodes == 57 and role_gpus(plan) == (320, 128, 8)
+    engines = [s for s in plan.servers if s.role == "engine"]
+    assert len(engines) == 8 and all(len(s.hosts) == 2 and s.gpus == 16 for s in engines)
+    assert engines[0].hosts == ["node41", "node42"] and engines[0].dist.startswith("node41:")
+    steps = [s for s in plan.steps if s.role == "engine"]
+    assert all((s.ntasks, s.tasks_per_node, s.gpus_per_node) == (2, 1, 8) for s in steps)
+    assert len({s.dist for s in engines}) == 8  # each engine's ranks meet on their own port
+
+
+@pytest.mark.parametrize("recipe, nodes, rollout", [(R30, 4, 1), (R30, 7, 4), (R235, 20, 3), (R480, 59, 18)])
+def test_extra_nodes_go_to_rollout(recipe, nodes, rollout):
+    plan = make_plan(recipe, knobs=dataclasses.replace(JUDGE, nodes=nodes))
+    assert plan.nodes == nodes and len(plan.roles["rollout"]) == rollout
+    assert plan.roles["train"] == plan.hosts[:len(plan.roles["train"])]  # the batch host trains
+
+
+def test_explicit_sizes_win_and_must_add_up():
+    plan = make_plan(R30, knobs=dataclasses.replace(JUDGE, train_nodes=4, rollout_nodes=3, nodes=8))
+    assert (len(plan.roles["train"]), len(plan.roles["rollout"])) == (4, 3) and plan.layout["world_size"] == 32
+    with pytest.raises(PlanError, match=r"allocation has 9 nodes but the roles need 8.*--nodes=8"):
+        make_plan(R30, knobs=dataclasses.replace(JUDGE, train_nodes=4, rollout_nodes=3, nodes=9))
+
+
+# ---------------------------------------------------------------- refusals
+
+@pytest.mark.parametrize("recipe, knobs, match", [
+    (R30, Knobs(nodes=3), r"rollout: 0 rollout nodes \(what 3 nodes leave after train 2 \+ judge 1\)"),
+    (R30, Knobs(rollout_nodes=0), r"rollout: 0 rollout nodes \(ROLLOUT_NODES\).*need at least 1.*5 nodes in all"),
+    (R235, Knobs(train_nodes=12), r"12 nodes x 8 GPUs = 96 ranks do not fit.*multiple of 8 trainer nodes"),
+    (R480, Knobs(train_nodes=30), r"multiple of 20 trainer nodes"),
+    (R480, Knobs(nodes=58), r"17 rollout nodes .*need a multiple of 2"),
+    (R30, Knobs(gpus_per_node=3), r"engine_tp=2 does not divide gpus_per_node=3"),
+    (R30, Knobs(hosts=("a", "b")), r"2 hosts and 2 addresses given for 5 nodes"),
+    (R30, Knobs(judge_model="j", judge_tp=16, judge_nodes=1), r"JUDGE_TP=16 needs more than 1 judge nodes"),
+])
+def test_layouts_that_do_not_fit_are_refused_by_name(recipe, knobs, match):
+    with pytest.raises(PlanError, match=match):
+        make_plan(recipe, knobs=knobs)
+
+
+def test_model_shape_is_checked_when_the_hf_config_is_here():
+    ok = make_plan(R235, [f"model.hf_config={HF / 'qwen3-235b-a22b.json'}"], JUDGE)
+    assert ok.layout["pp"] == 2
+    # 94 layers do not split into 4 pipeline stages
+    with pytest.raises(PlanError, match=r"num_layers=94 not divisible by pp=4"):
+        make_plan(R235, [f"model.hf_config={HF / 'qwen3-235b-a22b.json'}", "parallel.pp=4"], JUDGE)
+
+
+def test_bad_recipe_override_is_a_config_error():
+    with pytest.raises(ConfigError, match="parallel.tpp"):
+        make_plan(R30, ["parallel.tpp=2"])
+
+
+# ---------------------------------------------------------------- judge, router, CPU
+
+def test_judge_model_missing_blocks_the_launch_not_the_plan():
+    plan = make_plan(R30)
+    assert plan.nodes == 5 and len(plan.blockers) == 1
+    assert "JUDGE_MODEL" in plan.blockers[0] and "solution_description" in plan.blockers[0]
+
+
+def test_external_judge_needs_no_judge_node():
+    plan = make_plan(R30, knobs=Knobs(judge_url="http://judge:8000", judge_name="qwen-judge"))
+    assert plan.nodes == 4 and plan.roles["judge"] == [] and not plan.blockers
+    assert {"judge.endpoint=http://judge:8000", "judge.model=qwen-judge"} <= set(plan.train_args)
+    assert make_plan(R30, knobs=Knobs(judge_url="http://judge:8000")).blockers  # no model name
+
+
+def test_trainer_overrides_carry_servers_and_judge():
+    plan = make_plan(R30, ["objective.kl_coef=0.3"], dataclasses.replace(JUDGE, port_base=40000))
+    args = plan.train_args
+    assert args[:3] == ["--recipe", R30, "objective.kl_coef=0.3"]
+    assert {"parallel.nodes=2", "parallel.gpus_per_node=8", "judge.model=judge",
+            "judge.endpoint=http://node5:40600"} <= set(args)
+    urls = next(a for a in args if a.startswith("rollout.server_urls="))
+    assert urls == "rollout.server_urls=[" + ",".join(
+        f"http://node{3 + i // 4}:{41500 + i}" for i in range(8)) + "]"
+    ports = [s.port for s in plan.servers] + [plan.master_port]
+    assert len(ports) == len(set(ports))  # unique even across nodes: test nodes share an address
+
+
+def test_addresses_are_used_for_urls_and_master():
+    hosts = tuple(f"n{i}" for i in range(1, 6))
+    addrs = tuple(f"10.0.0.{i}" for i in range(1, 6))
+    plan = make_plan(R30, knobs=dataclasses.replace(JUDGE, hosts=hosts, addrs=addrs, nodes=5))
+    assert plan.master_addr == "10.0.0.1" and plan.sync_master == "10.0.0.1"
+    assert plan.servers[0].url.startswith("http://10.0.0.3:") and plan.servers[0].hosts == ["n3"]
+
+
+def test_weight_sync_address_and_router_url_go_where_the_schema_has_fields(monkeypatch):
+    plan = make_plan(R30, knobs=JUDGE)
+    assert "rollout.sync_master_address=node1" in plan.train_args  # trainer rank 0's node
+    # no rollout.router_url field (yet): the URL reaches the trainer as $TG_ROUTER_URL only
+    assert not any(a.startswith("rollout.router_url") for a in plan.train_args)
+    assert any("rollout.router_url is not a config field" in n for n in plan.notes)
+
+    @dataclasses.dataclass
+    class WithRouter(RolloutConfig):
+        router_url: str = ""
+
+    monkeypatch.setattr(P, "RolloutConfig", WithRouter)
+    plan = make_plan(R30, knobs=JUDGE)
+    assert "rollout.router_url=http://node3:30000" in plan.train_args and not plan.notes
+
+
+def test_router_only_for_several_sglang_engines():
+    assert any(s.role == "router" for s in make_plan(R30, knobs=JUDGE).servers)
+    assert not any(s.role == "router" for s in make_plan(R30, knobs=dataclasses.replace(JUDGE, router=False)).servers)
+    one = make_plan(R30, knobs=dataclasses.replace(JUDGE, rollout_nodes=1, gpus_per_node=2, train_nodes=8))
+    assert [s.role for s in one.servers] == ["engine", "judge"]
+
+
+def test_tiny_recipe_alone_needs_one_node_and_no_servers():
+    plan = make_plan(TINY)  # rollout.engine: embedded -> the trainer generates in-process
+    assert plan.accel == "cpu" and plan.nodes == 1 and plan.servers == []
+    assert [s.role for s in plan.steps] == ["train"]
+
+
+def test_tiny_cpu_path_has_no_gpu_requests():
+    plan = make_plan(TINY, ["rollout.engine=sglang"],
+                     Knobs(engine="embedded", gpus_per_node=1, train_nodes=1, rollout_nodes=1))
+    assert plan.nodes == 2 and plan.engine == "embedded" and role_gpus(plan) == (0, 0, 0)
+    assert all(s.gpus_per_task == 0 and s.gpus_per_node == 0 for s in plan.steps)
+    assert [s.role for s in plan.servers] == ["engine"]  # one embedded engine: no router
+
+
+def test_gpus_per_node_change_keeps_the_recipes_gpu_count():
+    plan = make_plan(R30, knobs=dataclasses.replace(JUDGE, gpus_per_node=4))
+    assert len(plan.roles["train"]) == 4 and plan.layout["world_size"] == 16
+    assert len([s for s in plan.servers if s.role == "engine"]) == 8  # 2 per 4-GPU node
+
+
+# ---------------------------------------------------------------- rendering
+
+def test_env_rendering_round_trips_through_bash(tmp_path):
+    plan = make_plan(R480, ["objective.kl_coef=0.3", "rollout.tasks=data/it's a file.jsonl"], JUDGE)
+    env = tmp_path / "plan.env"
+    env.write_text(R.render_env(plan))
+    script = ('source "$1"; printf "%s\\n" "${#TG_STEP_NAME[@]}" "${TG_STEP_NODELIST[0]}" '
+              '"${TG_SERVER_URL[7]}" "${TG_SERVER_STEP[8]}" "${TG_TRAIN_ARGS[3]}" "$TG_RUN_NAME" "${#TG_BLOCKERS[@]}"')
+    out = subprocess.run(["bash", "-c", script, "bash", str(env)], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [
+        str(len(plan.steps)), "node41,node42", plan.servers[7].url, str(plan.servers[8].step),
+        "rollout.tasks=data/it's a file.jsonl", "tg_480b", "0"]
+
+
+def test_json_and_text_rendering():
+    plan = make_plan(R30, knobs=JUDGE)
+    data = json.loads(R.render_json(plan))
+    assert data["nodes"] == 5 and data["gpus"] == {"train": 16, "engine": 16, "judge": 8}
+    assert data["servers"][0]["url"] == plan.servers[0].url
+    text = R.render_text(plan)
+    assert "train        2    16  node1,node2" in text and "total        5    40" in text
+    assert "layout: world 16 = tp 2 x cp 1 x pp 1 x dp 8; experts etp 1 x ep 8 x edp 2" in text
+
+
+def test_cli_errors_are_one_line_and_out_dir_writes_all_formats(tmp_path, capsys):
+    assert P.main(["--recipe", R235, "--train-nodes", "12"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plan: error: train: 12 nodes") and err.count("\n") == 1
+    assert P.main(["--recipe", R30, "--judge-model", "j", "--format", "env", "--out-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == (tmp_path / "plan.env").read_text()
+    assert {p.name for p in tmp_path.iterdir()} == {"plan.env", "plan.txt", "plan.json"}
