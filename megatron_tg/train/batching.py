@@ -14,7 +14,10 @@ Layout contract (what :mod:`megatron_tg.train.step` and the loss rely on):
   student row predicting token ``i``, the expert row predicting the same token is
   ``position_map[i] - 1`` of its expert sequence; ``expert_rows`` lists them in the order of
   the student's gated rows (increasing flat index), so the expert's hidden states gathered
-  at ``expert_rows`` line up with ``gate_index``.
+  at ``expert_rows`` line up with ``gate_index``. Expert sequences are built only for turns
+  with at least one gated row (none at all in mode "grpo": ``expert`` is then None), and the
+  expert rows widen beyond ``row_tokens`` when an expert sequence (its rollout + the inserted
+  feedback messages) does not fit in it.
 
 Cost of the expert pass: ``shared`` mode packs one expert sequence per failing rollout,
 truncated after its last failing turn (≤ one extra forward over the failing rollouts);

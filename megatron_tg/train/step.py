@@ -21,9 +21,19 @@ def ops_reduce_hidden_grad(model: torch.nn.Module) -> bool:
     return not bool(unwrap(model).config.sequence_parallel)
 
 
-def expert_hidden_states(expert_model: torch.nn.Module, mb: MicroBatch):
-    """[G, H] expert hidden states at the gated rows (or None) and the expert's output weight."""
+def expert_hidden_states(expert_model: torch.nn.Module, mb: MicroBatch, *,
+                         lockstep: bool = False):
+    """[G, H] expert hidden states at the gated rows (or None) and the expert's output weight.
+
+    ``lockstep``: another rank of the expert-parallel group runs an expert pass for this
+    micro-batch, so this rank must take part in its MoE all-to-alls even with nothing gated;
+    it forwards its student rows and discards the result.
+    """
     if mb.expert is None or mb.expert_rows.numel() == 0:
+        if lockstep:
+            with torch.no_grad():
+                forward_hidden(expert_model, mb.student.tokens, mb.student.position_ids,
+                               mb.student.attention_mask)
         return None, None
     with torch.no_grad():
         out = forward_hidden(expert_model, mb.expert.tokens, mb.expert.position_ids,
@@ -34,7 +44,8 @@ def expert_hidden_states(expert_model: torch.nn.Module, mb: MicroBatch):
 def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBatch, *,
                      vocab_size: int, expert_model: torch.nn.Module | None = None,
                      num_rollouts: float | None = None, num_assistant_tokens: float | None = None,
-                     num_gated_tokens: float | None = None) -> LossOutput:
+                     num_gated_tokens: float | None = None, expert_lockstep: bool = False
+                     ) -> LossOutput:
     """The TG loss of one micro-batch (call ``.loss.backward()`` on the result).
 
     ``expert_model`` is the policy itself for the paper's shared-weight expert (None), or a
@@ -43,7 +54,8 @@ def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBa
     ``num_assistant_tokens`` / ``num_gated_tokens`` likewise for the token-level ("global")
     normalisations.
     """
-    expert_hidden, expert_weight = expert_hidden_states(expert_model or model, mb)
+    expert_hidden, expert_weight = expert_hidden_states(expert_model or model, mb,
+                                                        lockstep=expert_lockstep)
     student = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
                              mb.student.attention_mask)
     batch = PolicyBatch(

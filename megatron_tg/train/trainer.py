@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -176,9 +177,21 @@ class Trainer:
         totals = dict(num_rollouts=len(samples),
                       num_assistant_tokens=float(sum(int(mb.loss_mask.sum()) for mb in batches)),
                       num_gated_tokens=float(sum(float(mb.gate.sum()) for mb in batches)))
-        for group, mb in zip(micro, batches):
+        plan = self._lockstep_plan(batches)
+        for i, need_expert in enumerate(plan):
+            padding = i >= len(batches)
+            # A padding micro-batch repeats the first one without its expert part, so that
+            # its expert pass happens exactly when the plan says (as a dummy if at all).
+            mb = batches[i] if not padding else replace(
+                batches[0], expert=None, expert_rows=batches[0].expert_rows[:0],
+                gate=torch.zeros_like(batches[0].gate))
             out = micro_batch_loss(self.model, self.objective, mb, vocab_size=self.arch.vocab_size,
-                                   expert_model=self.expert_model, **totals)
+                                   expert_model=self.expert_model, expert_lockstep=need_expert,
+                                   **totals)
+            if padding:  # collectives only: this rank's data is used up, add nothing
+                (out.loss * 0.0).backward()
+                continue
+            group = micro[i]
             out.loss.backward()
             for k, v in {"loss": out.loss, **out.metrics}.items():
                 v = float(v)
@@ -201,15 +214,33 @@ class Trainer:
             metrics["kl/guard_event"] = 1.0
         return metrics
 
+    def _lockstep_plan(self, batches) -> list[bool]:
+        """With expert parallelism the MoE all-to-alls span data-parallel ranks, so every rank
+        must run the same number of micro-batches and the same expert passes, whatever its
+        own data. Returns, per micro-batch index, whether any rank runs an expert pass; ranks
+        with fewer micro-batches pad with zero-weight repeats. Without EP: no communication."""
+        own = [mb.expert is not None and mb.expert_rows.numel() > 0 for mb in batches]
+        if self.ctx.dims.ep == 1:
+            return own
+        n = torch.tensor([len(batches)], dtype=torch.long)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        flags = torch.zeros(int(n), dtype=torch.long)
+        flags[: len(own)] = torch.tensor(own, dtype=torch.long)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return [bool(f) for f in flags.tolist()]
+
     def _mean_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Mean of each metric over the DP ranks that have it (ranks may lack a metric, e.g.
+        gated entropy on a rank with nothing gated), so key sets need not match."""
         group = self.ctx.group(Axis.DP)
-        if dist.get_world_size(group) == 1:
+        size = dist.get_world_size(group)
+        if size == 1:
             return metrics
-        keys = sorted(metrics)
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t, group=group)
-        t /= dist.get_world_size(group)
-        return dict(zip(keys, t.tolist()))
+        everyone: list[dict[str, float]] = [{} for _ in range(size)]
+        dist.all_gather_object(everyone, metrics, group=group)
+        keys = sorted({k for m in everyone for k in m})
+        return {k: sum(m[k] for m in everyone if k in m) / sum(1 for m in everyone if k in m)
+                for k in keys}
 
     @property
     def gpt(self):

@@ -23,7 +23,13 @@ def _step_fn(rank, world, overrides, samples):
     # weights are not compared: Adam's first step is ~lr*sign(g), which turns rounding noise
     # on near-zero gradients into lr-sized differences.
     flat = torch.cat([p.main_grad.detach().reshape(-1) for p in trainer.gpt.parameters()])
-    return metrics, flat
+    # Under EP each rank holds other experts: the same gradients by HF name (TP=1 here).
+    from megatron_tg.models.qwen3_moe.mapping import current_layout, to_hf
+
+    layout = current_layout(model=trainer.gpt)
+    named = {hf: t for name, p in trainer.gpt.named_parameters()
+             for hf, t in to_hf(name, p.main_grad.detach().clone(), trainer.arch, layout)}
+    return metrics, flat, named
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +108,27 @@ def test_frozen_and_ema_expert(checkpoint, tmp_path, kind):
     else:
         torch.testing.assert_close(e1, decay * e0 + (1 - decay) * p1, atol=1e-7, rtol=1e-6)
     assert torch.equal(out["resumed"][0], p1) and torch.equal(out["resumed"][1], e1)
+
+
+def test_expert_parallel_ranks_with_different_work(checkpoint, tmp_path):
+    """EP=2 over 2 DP ranks: one rank has failing turns (an expert pass) and two micro-batches,
+    the other nothing gated and one micro-batch. The MoE all-to-alls must still pair up, and
+    the accumulated gradient equals one rank doing all the work."""
+    d, tok, cfg, state = checkpoint
+    samples = make_samples(tok, cfg, state)
+    # rank 0 takes samples 0 and 2 (both with feedback), rank 1 samples 1 and 3 (none)
+    samples = [s if k % 2 == 0 else s.__class__(s.rollout, s.advantage, {})
+               for k, s in enumerate(samples)]
+    base = [f"model.hf_config={d}", f"model.hf_checkpoint={d}", "model.seq_length=1024",
+            "rollout.max_context_tokens=1024", "objective.kl_coef=0.5", "optimizer.lr=1e-3",
+            f"checkpoint.dir={tmp_path}/ckpt", f"logging.run_dir={tmp_path}/run"]
+    # 1024-token micro-batches: rank 0's two 622-token rollouts need two, rank 1's 484-token
+    # rollouts fit in one.
+    one = run_distributed(_step_fn, 1, base + ["optimizer.micro_batch_tokens=1024"], samples)[0]
+    ep2 = run_distributed(_step_fn, 2, base + ["optimizer.micro_batch_tokens=1024",
+                                               "parallel.ep=2", "parallel.etp=1"], samples,
+                          timeout=300)
+    named = {**ep2[0][2], **ep2[1][2]}
+    assert named.keys() == one[2].keys()
+    for k, g in one[2].items():
+        torch.testing.assert_close(named[k], g, atol=1e-7, rtol=1e-4, msg=k)

@@ -44,6 +44,18 @@ class Engine:
             return ""
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: ask Linux to SIGTERM the engine when the process that
+    started it dies, so a crashed or killed trainer never leaves engines behind."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not Linux: rely on Engine.stop()
+        pass
+
+
 def free_port() -> int:
     import socket
 
@@ -68,6 +80,7 @@ def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0
             stdout=open(log_path, "wb"),
             stderr=subprocess.STDOUT,
             env=env,
+            preexec_fn=_die_with_parent,
         )
         engines.append(Engine(f"http://127.0.0.1:{port}", proc, log_path))
     deadline = time.monotonic() + timeout_s
