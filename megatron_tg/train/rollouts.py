@@ -14,6 +14,8 @@ Rewards and feedback (what the objective receives):
   (``judge_error``) when its whole group is lost; never counted as a pass or a fail;
 - feedback: the judge's failing turns in ``tg``/``no_thinking``; in ``always_on``/``opsd``
   every assistant turn a criterion covers gets that criterion's feedback, failing or not.
+  The text is framed by ``judge.feedback_framing`` (``{feedback}`` replaced) before it is
+  inserted as a message, exactly as the vetting tool and the demo's SFT data frame it.
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     position = {id(g): i for i, g in enumerate(groups)}
     gids = torch.tensor([position[id(g)] for g, _, _ in ok])
     adv = group_advantages(rewards, gids, obj_cfg)
-    samples = [TrainSample(ro, float(a), feedback_for(ro, res, rubric, always))
+    frame = cfg.judge.feedback_framing
+    samples = [TrainSample(ro, float(a), {k: frame.replace("{feedback}", text) for k, text in
+                                          feedback_for(ro, res, rubric, always).items()})
                for (g, ro, res), a in zip(ok, adv.tolist())]
     for i, n in enumerate(names):
         metrics[f"criteria/{n}"] = float(scores[:, i].mean())

@@ -1,0 +1,74 @@
+"""Judged groups -> training samples: rewards, group-relative advantages, framed feedback,
+judge errors excluded (never a pass or a fail), modes' feedback choice."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_tg.chat import get_tiny_tokenizer
+from megatron_tg.chat.builder import simulate_rollout
+from megatron_tg.config import load_config
+from megatron_tg.judge import Judge, load_rubric
+from megatron_tg.train.rollouts import judged_samples
+from tests.chat.convos import SEARCH_TOOL, call
+
+
+def _rollout(tok, gid, rid, lines: bool, passed: bool):
+    args = {"query": "def count", **({"lines": 5} if lines else {})}
+    msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "fix it"},
+            {"role": "assistant", "content": "look", "tool_calls": [call("search", **args)]},
+            {"role": "tool", "content": "src/a.py:1: def count"},
+            {"role": "assistant", "content": "done"}]
+    return simulate_rollout(tok, msgs, tools=[SEARCH_TOOL], group_id=gid, rollout_id=rid,
+                            metadata={"tests_passed": passed})
+
+
+@pytest.fixture(scope="module")
+def judged():
+    tok = get_tiny_tokenizer()
+    rubric = load_rubric("recipes/rubrics/tool_format.yaml")
+    judge = Judge(rubric, tok)
+    g0 = [_rollout(tok, "g0", "a", lines=False, passed=True),
+          _rollout(tok, "g0", "b", lines=True, passed=True)]
+    g1 = [_rollout(tok, "g1", "c", lines=False, passed=False),
+          _rollout(tok, "g1", "d", lines=False, passed=True)]
+    groups = [SimpleNamespace(group_id="g0", rollouts=g0), SimpleNamespace(group_id="g1", rollouts=g1)]
+    results = [[judge.judge_sync(r) for r in g.rollouts] for g in groups]
+    return rubric, groups, results
+
+
+def test_rewards_advantages_and_framed_feedback(judged):
+    rubric, groups, results = judged
+    cfg = load_config("recipes/tiny_cpu.yaml", ["judge.feedback_framing='Hint: {feedback}'"])
+    samples, lost, metrics = judged_samples(groups, results, rubric, cfg)
+    assert lost == [] and len(samples) == 4
+    # tests_pass (weight 1) + search_lines (weight 0.5): rewards 1, 1.5 | 0, 1
+    assert metrics["criteria/tests_pass"] == 0.75 and metrics["criteria/search_lines"] == 0.25
+    a, b, c, d = (s.advantage for s in samples)
+    assert b > a and d > c and a + b == pytest.approx(0, abs=1e-6)  # group-relative
+    assert samples[0].feedback_by_turn == {0: "Hint: Use the lines= argument of the search tool."}
+    assert samples[1].feedback_by_turn == {}  # passes: no KL anywhere in this rollout
+
+
+def test_opsd_rewards_primary_only_and_always_on_feedback(judged):
+    rubric, groups, results = judged
+    opsd = load_config("recipes/tiny_cpu.yaml", ["objective.mode=opsd"])
+    samples, _, _ = judged_samples(groups, results, rubric, opsd)
+    a, b, _, _ = (s.advantage for s in samples)
+    assert a == pytest.approx(b)  # same task outcome; the style criterion is not a reward
+    # feedback on every turn a criterion with feedback covers (any_tool_call: turn 0), even
+    # for the rollout that passes it
+    assert samples[1].feedback_by_turn.keys() == {0}
+
+
+def test_judge_errors_are_excluded_and_whole_lost_groups_reported(judged):
+    rubric, groups, results = judged
+    bad = [[r for r in results[0]], [r.__class__(r.rollout_id, r.task_id, r.group_id,
+                                                 judge_error="llm judge: not JSON")
+                                     for r in results[1]]]
+    cfg = load_config("recipes/tiny_cpu.yaml", [])
+    samples, lost, metrics = judged_samples(groups, bad, rubric, cfg)
+    assert [s.rollout.rollout_id for s in samples] == ["a", "b"]
+    assert lost == ["g1"] and metrics["rollout/judge_errors"] == 2
