@@ -15,6 +15,7 @@ temporary directories are removed on the next save. The newest ``keep_last`` are
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import shutil
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tg.train.policy import unwrap
+from megatron_tg.train.signals import ignore_stop_signals
 
 _PREFIX = "step_"
 
@@ -36,6 +38,31 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+_WRITER_MANAGERS: list = []  # the manager behind megatron's results queue, kept alive
+
+
+def _signal_proof_writer_queue() -> None:
+    """Start the helper process of megatron's torch_dist writer ignoring SIGUSR1/SIGTERM.
+
+    Slurm signals every process of a step (the time-limit warning, ``scancel --signal``), not
+    only the trainer. The first torch_dist save spawns a multiprocessing manager (its writer
+    results queue, ``filesystem_async._results_queue``) that lives across saves; the signal's
+    default action kills it, and the very save the signal asked for then fails (BrokenPipe /
+    ConnectionRefused) instead of checkpointing. Made here first, megatron reuses it."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return  # already made (by us or by megatron), or a megatron without this global
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # megatron's context
+    manager.start(ignore_stop_signals)
+    filesystem_async._results_queue = manager.Queue()
+    _WRITER_MANAGERS.append(manager)
 
 
 def rng_state() -> dict[str, Any]:
@@ -96,6 +123,7 @@ class Checkpointer:
             (tmp / "dist").mkdir(parents=True)
             (tmp / "rng").mkdir()
         _barrier()
+        _signal_proof_writer_queue()
         dist_checkpointing.save(self._sharded(model, optimizer, expert), str(tmp / "dist"))
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
         if _rank() == 0:

@@ -55,8 +55,11 @@ def share_for_this_rank(trainer: Trainer, samples, metrics):
     samples, metrics = box[0]
     dp, dp_rank = trainer.ctx.dims.dp, trainer.ctx.rank_in(Axis.DP)
     if len(samples) < dp:
-        raise RuntimeError(f"{len(samples)} trainable rollouts for {dp} data-parallel ranks "
-                           "(raise rollout.prompts_per_step or group_size)")
+        raise RuntimeError(
+            f"{len(samples)} trainable rollouts for {dp} data-parallel ranks (judge errors: "
+            f"{metrics.get('rollout/judge_errors', 0):g}, rollouts without an assistant turn: "
+            f"{metrics.get('rollout/empty', 0):g} — is the prompt longer than "
+            "rollout.max_context_tokens? Otherwise raise rollout.prompts_per_step or group_size)")
     return samples[dp_rank::dp], metrics
 
 
@@ -86,6 +89,9 @@ def sync_weights(trainer: Trainer, side, *, restart: bool = False) -> dict[str, 
 
 def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
     """Train ``cfg.steps`` steps; returns the process exit code."""
+    # First: a SIGUSR1/SIGTERM while the model loads or the engines sync must not kill the
+    # process (their default action) but stop it after its first step, with a checkpoint.
+    stop = StopFlag()
     trainer = Trainer(cfg)
     state = trainer.resume() or {}
     rank0 = trainer.ctx.rank == 0
@@ -94,9 +100,10 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
         side.load_state_dict(state["rollouts"])
     if trainer.step > 0:  # the engines serve the base weights: bring them to the checkpoint's
         sync_weights(trainer, side, restart=True)
+    _say(rank0, f"resumed from checkpoint step {trainer.step} of {cfg.steps}" if trainer.step
+         else f"starting at step 0 of {cfg.steps}")
     log = MetricsLogger(cfg.logging, cfg.logging.run_dir, enabled=rank0,
                         total_steps=cfg.steps, start_step=trainer.step)
-    stop = StopFlag()
     code = EXIT_DONE
     try:
         while trainer.step < cfg.steps:
@@ -116,12 +123,23 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
             if stopping or trainer.step % cfg.checkpoint.interval == 0 or trainer.step == cfg.steps:
                 trainer.save({"rollouts": side.state_dict() if rank0 else None})  # checkpoint
             if stopping and trainer.step < cfg.steps:
+                _say(rank0, f"stop requested: checkpointed step {trainer.step}, exiting {EXIT_REQUEUE}"
+                            " (requeue)")
                 code = EXIT_REQUEUE
                 break
     finally:
-        log.close()
+        if log is not None:
+            log.close()
         if side is not None:
             side.close()
     dist.barrier()  # no rank leaves before rank 0 has stopped its engines
     dist.destroy_process_group()
+    if code == EXIT_DONE:
+        _say(rank0, f"done: step {trainer.step} of {cfg.steps}")
     return code
+
+
+def _say(rank0: bool, text: str) -> None:
+    """One line on rank 0's stdout: the step log of a Slurm job (metrics go to metrics.jsonl)."""
+    if rank0:
+        print(f"[train {time.strftime('%F %T')}] {text}", flush=True)

@@ -72,10 +72,14 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     obj_cfg = replace(obj, criterion_weights=weights, primary_criteria=primary)
     always = not mode_switches(obj).failing_turns_only
     flat = [(g, ro, res) for g, rs in zip(groups, results) for ro, res in zip(g.rollouts, rs)]
-    ok = [(g, ro, res) for g, ro, res in flat if res.trainable]
+    # A rollout with no assistant token (its prompt alone filled rollout.max_context_tokens)
+    # carries no training signal: excluded and counted, like a judge error.
+    empty = sum(1 for _, ro, _ in flat if not ro.assistant_turns())
+    ok = [(g, ro, res) for g, ro, res in flat if res.trainable and ro.assistant_turns()]
     lost = sorted({g.group_id for g in groups} - {g.group_id for g, _, _ in ok})
-    metrics: dict[str, float] = {"rollout/judge_errors": float(len(flat) - len(ok)),
-                                 "rollout/groups_lost": float(len(lost))}
+    metrics: dict[str, float] = {
+        "rollout/judge_errors": float(sum(1 for _, _, res in flat if not res.trainable)),
+        "rollout/empty": float(empty), "rollout/groups_lost": float(len(lost))}
     if not ok:
         return [], lost, metrics
     scores = torch.tensor([[1.0 if res.passed.get(n, False) else 0.0 for n in names]

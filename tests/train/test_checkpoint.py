@@ -3,10 +3,15 @@
 A run of 3 optimizer steps at TP=2 saves after step 2; a fresh model with different
 weights, restored from that checkpoint, reproduces step 3's loss exactly. The same
 checkpoint loads at TP=1 (megatron reshards) and gives step 3's loss to float tolerance.
-A half-written save never becomes ``latest``.
+A half-written save never becomes ``latest``. The save's helper process outlives the
+SIGUSR1/SIGTERM that Slurm sends to every process of the trainer's step.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -104,3 +109,26 @@ def test_partial_save_never_becomes_latest(tmp_path):
     (root / "latest").write_text("step_00000002\n")
     with pytest.raises(RuntimeError, match="incomplete or missing"):
         Checkpointer(root).latest()
+
+
+def test_writer_queue_helper_survives_slurm_stop_signals(monkeypatch):
+    """megatron's torch_dist writer keeps a spawned manager process (its results queue) across
+    saves; Slurm's step signals reach it too. Killed, the checkpoint the signal asked for fails."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_tg.train import checkpoint
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    monkeypatch.setattr(checkpoint, "_WRITER_MANAGERS", [])
+    checkpoint._signal_proof_writer_queue()
+    (manager,) = checkpoint._WRITER_MANAGERS
+    try:
+        queue = filesystem_async._get_write_results_queue()  # megatron takes ours
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            os.kill(manager._process.pid, sig)
+        time.sleep(0.5)
+        queue.put("still serving")
+        assert queue.get(timeout=10) == "still serving"
+        assert manager._process.is_alive()
+    finally:
+        manager.shutdown()

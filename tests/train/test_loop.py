@@ -112,5 +112,8 @@ def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
                 "optim/grad_norm", "reward/mean"):
         assert key in last, sorted(last)
     assert last["sync/tensors"] > 0 and last["rollout/staleness_max"] <= 1
+    # real generation happened: turns, tokens, and a loss over assistant tokens
+    assert all(r["rollout/turns"] >= 1 and r["rollout/response_tokens"] > 0 for r in rows)
+    assert all(r["entropy/all"] > 0 for r in rows)
     assert (run_dir / "config.yaml").exists()
     assert (run_dir / "ckpt" / "latest").read_text().strip() == "step_00000004"
