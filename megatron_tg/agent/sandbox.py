@@ -259,6 +259,19 @@ class Sandbox:
             args += ["--unshare-all", "--cap-drop", "ALL"]
         args += ["--die-with-parent", "--new-session", "--clearenv", "--ro-bind", "/", "/",
                  "--perms", "1777", "--size", str(self.tmp_mb << 20), "--tmpfs", "/tmp"]
+        # The tmpfs on /tmp hides whatever the host has there, the running Python's venv
+        # included when the checkout lives under /tmp (as CI clones may): bind it back.
+        # Its parents are recreated traversable (bwrap would make them 0700, unreadable to the
+        # unprivileged uid commands run as).
+        made: set[str] = set()
+        for p in self.expose:
+            if p.startswith("/tmp/") and os.path.exists(p):
+                for d in reversed(Path(p).parents):
+                    if str(d).startswith("/tmp/") and str(d) not in made:
+                        args += ["--perms", "0755", "--dir", str(d)]
+                        made.add(str(d))
+                args += ["--ro-bind", p, p]
+                made.add(p)
         if self.root:
             args += self._reexpose(self.expose + ([] if wd.startswith("/tmp/") else [wd]))
         for h in self.hide:

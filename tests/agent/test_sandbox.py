@@ -111,7 +111,9 @@ def test_huge_output_is_truncated_and_endless_output_killed(sandbox, workdir):
 
 
 def test_hidden_paths_are_invisible(sandbox, workdir):
-    secret_dir = tempfile.mkdtemp(prefix="tg-secret-", dir=str(REPO))
+    # /var/tmp: visible inside the sandbox unless hidden (unlike /tmp, which gets a tmpfs), so
+    # the positive control below means something wherever the checkout lives.
+    secret_dir = tempfile.mkdtemp(prefix="tg-secret-", dir="/var/tmp")
     try:
         Path(secret_dir, "answer.txt").write_text("SECRET-7319")
         os.chmod(secret_dir, 0o755)
@@ -122,7 +124,9 @@ def test_hidden_paths_are_invisible(sandbox, workdir):
                     f"grep -o hidden_test_command {task_file} | head -1", workdir)
         assert "SECRET-7319" not in r.output and "hidden_test_command" not in r.output, r.output
         r = run(sandbox, f"cat {secret_dir}/answer.txt; grep -o hidden_test_command {task_file} | head -1", workdir)
-        assert "SECRET-7319" in r.output and "hidden_test_command" in r.output  # visible without hide
+        assert "SECRET-7319" in r.output  # visible without hide
+        if not str(REPO).startswith("/tmp/"):  # a checkout under /tmp is hidden by its tmpfs
+            assert "hidden_test_command" in r.output
     finally:
         rmtree(secret_dir)
 
