@@ -4,13 +4,18 @@
 # recipe. Differences are overrides only: embedded CPU engines instead of SGLang (they
 # serve SGLang's HTTP API), gloo, no GPU requests, one trainer rank and one engine.
 #
-#   sbatch slurm/tg_tiny.sh [key=value ...]        from the repo root (once: mkdir -p runs/slurm)
+#   sbatch slurm/tg_tiny.sh model.hf_checkpoint=DIR model.hf_config=DIR [key=value ...]
+#                                                  from the repo root (once: mkdir -p runs/slurm);
+#                                                  DIR: a tiny HF policy with its tokenizer
 #   bash slurm/tg_tiny.sh --dry-run                print the plan; start nothing
 #   TRAINER_CMD="python my_trainer.py" sbatch slurm/tg_tiny.sh   any program honouring the
 #                                                  trainer contract (exit 0 done, 75 requeue)
 #
-# Used by the tests against the local controller (tests/slurm/cluster.sh), which swap in a
-# fake server (ENGINE_CMD) and a stand-in trainer (TRAINER_CMD).
+# The trainer is the real one by default ($PYTHON -m megatron_tg.train, one rank), the
+# engine the embedded CPU engine (python -m megatron_tg.rollout.engine). Tests against the
+# local controller (tests/slurm/cluster.sh): tests/slurm/test_tg_tiny_e2e.py runs exactly
+# that; tests/slurm/test_slurm_jobs.py swaps in a fake server (ENGINE_CMD) and a stand-in
+# trainer (TRAINER_CMD).
 #
 # allocation: whole nodes, no GPUs
 #SBATCH --job-name=tg_tiny

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tg.config import ConfigError, RolloutConfig
+from megatron_tg.config import ConfigError
 from megatron_tg.launch import plan as P
 from megatron_tg.launch import render as R
 from megatron_tg.launch.plan import Knobs, PlanError, make_plan
@@ -149,17 +149,17 @@ def test_addresses_are_used_for_urls_and_master():
 def test_weight_sync_address_and_router_url_go_where_the_schema_has_fields(monkeypatch):
     plan = make_plan(R30, knobs=JUDGE)
     assert "rollout.sync_master_address=node1" in plan.train_args  # trainer rank 0's node
-    # no rollout.router_url field (yet): the URL reaches the trainer as $TG_ROUTER_URL only
-    assert not any(a.startswith("rollout.router_url") for a in plan.train_args)
-    assert any("rollout.router_url is not a config field" in n for n in plan.notes)
+    assert "rollout.router_url=http://node3:30000" in plan.train_args and not plan.notes
 
     @dataclasses.dataclass
-    class WithRouter(RolloutConfig):
-        router_url: str = ""
+    class WithoutRouter:  # a schema without the field: the URL reaches it as $TG_ROUTER_URL only
+        sync_master_address: str = ""
 
-    monkeypatch.setattr(P, "RolloutConfig", WithRouter)
+    monkeypatch.setattr(P, "RolloutConfig", WithoutRouter)
     plan = make_plan(R30, knobs=JUDGE)
-    assert "rollout.router_url=http://node3:30000" in plan.train_args and not plan.notes
+    assert "rollout.sync_master_address=node1" in plan.train_args
+    assert not any(a.startswith("rollout.router_url") for a in plan.train_args)
+    assert any("rollout.router_url is not a config field" in n for n in plan.notes)
 
 
 def test_router_only_for_several_sglang_engines():

@@ -182,8 +182,9 @@ def test_scancel_is_not_undone_by_the_requeue_path(slurm_cluster, tiny_job, tmp_
     slurm_cluster.run("scancel", job)
     # The trainer still checkpoints and exits 75, but the job is being cancelled: no requeue.
     wait_for(lambda: "not requeueing" in log(tmp_path), 30, "the batch script's decision")
-    time.sleep(1)
-    info = slurm_cluster.job(job)
+    # COMPLETING until slurmctld has reaped every step (a second or more on a busy machine)
+    info = slurm_cluster.wait(job, lambda i: i["JobState"] != "COMPLETING", timeout=30,
+                              what="the end of COMPLETING")
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", log(tmp_path)
 
 
