@@ -28,17 +28,10 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    """A tiny Qwen3-MoE policy with its tokenizer, as tests/train/test_loop.py builds it."""
-    from megatron_tg.chat import get_tiny_tokenizer
-    from tests.models.qwen3_moe.common import tiny_hf_model
+    """The tiny random Qwen3-MoE policy + tokenizer the CPU default trains (scripts/demo.sh)."""
+    from megatron_tg.models.tiny import build_tiny_policy
 
-    tok = get_tiny_tokenizer()
-    d = tmp_path_factory.mktemp("policy")
-    _, model, _ = tiny_hf_model(vocab_size=len(tok))
-    model.config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return build_tiny_policy(tmp_path_factory.mktemp("policy"))
 
 
 def _rows(run_dir: Path) -> list[dict]:
