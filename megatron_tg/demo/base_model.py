@@ -1,0 +1,537 @@
+"""The didactic experiment's base model: a tiny Qwen3-MoE SFT'd on :mod:`megatron_tg.demo.task`.
+
+:func:`build_base_model` reproduces the "SFT that never saw the new tool format" of paper §5.1
+at toy scale, on CPU, in the project's real formats:
+
+1. tokenizer: :func:`megatron_tg.chat.build_tiny_tokenizer` (Qwen3-Coder framing) with its BPE
+   fitted to rendered demo transcripts, so sequences stay short (~120 tokens);
+2. data: demonstrations from :func:`~megatron_tg.demo.task.reference_messages`, rendered with
+   the chat template. Without the hint the search call uses the OLD format; on
+   ``hint_fraction`` of the examples the hint (the trainer's framed feedback message) sits
+   right before the tool-call turn — token for token where ``insert_feedback`` puts the
+   expert's feedback — and the call uses the NEW format (``lines=N``). Loss on assistant turns;
+3. model: ``transformers.Qwen3MoeForCausalLM`` (the 30B model's architecture path: q/k norm,
+   GQA, top-k routed experts), trained with plain PyTorch AdamW;
+4. evaluation by sampling (temperature 1, full vocabulary) through the multi-turn episode
+   driver :func:`~megatron_tg.demo.task.run_episodes` with HF ``generate``, plus the exact
+   teacher-forced probability of the new format's first token at the branch point;
+5. ``save_pretrained`` of model and tokenizer into ``out_dir`` + ``base_metrics.json``.
+
+The build is deterministic given its settings and cached: ``out_dir`` holding a build with the
+same :func:`build_hash` (settings, this package's source, torch/transformers versions) is
+reused. ``python -m megatron_tg.demo.base_model OUT_DIR [--quick]`` builds from the shell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+from megatron_tg.demo import task as T
+
+METRICS_FILE = "base_metrics.json"
+BUILD_FORMAT = 1  # bump when the build's outputs change meaning
+
+
+@dataclass(frozen=True)
+class BaseModelConfig:
+    seed: int = 0
+    steps: int = 400
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    hint_fraction: float = 0.5
+    """Fraction of SFT examples that carry the hint (and use the new format)."""
+    context_fraction: float = 0.2
+    """Fraction of the other examples whose (untrained) tool call uses the new format."""
+    pool_size: int = 4096
+    """Distinct SFT examples, rendered and tokenised once, then sampled with replacement."""
+    # model (Qwen3MoeConfig)
+    hidden_size: int = 64
+    num_layers: int = 3
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    num_experts: int = 4
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 128
+    max_position_embeddings: int = 1024
+    # tokenizer
+    vocab_size: int = 512
+    tokenizer_docs: int = 600
+    # evaluation
+    eval_episodes: int = 256
+    """Sampled episodes per condition (no hint / hint / forced new format without hint)."""
+    eval_temperature: float = 1.0
+    eval_max_new_tokens: int = 48
+    eval_batch_size: int = 128
+    max_turns: int = 3
+    threads: int = 1
+    """torch threads for the build (1 measured fastest on the 2-core CI machines)."""
+
+    def model_config(self, vocab_size: int, eos_id: int, pad_id: int):
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            vocab_size=vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=2 * self.hidden_size, moe_intermediate_size=self.moe_intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.hidden_size // self.num_heads,
+            num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=False,
+            eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None,
+        )
+
+
+QUICK = dict(steps=250, pool_size=2048, eval_episodes=128)
+"""Overrides for the CI-sized build (``--quick`` / the tests)."""
+
+QUICK_EXPECTED = {"success_no_hint": 0.8, "success_hint": 0.8, "success_forced_new_no_hint": 0.7}
+"""Lower bounds the tests assert for the QUICK build (seed 0). Measured QUICK builds, 128
+episodes per rate: success without hint 0.945 / 0.867 / 0.922 (seeds 0 / 1 / 2), with hint
+0.953 / 0.930 / 0.930, forced new format without hint 0.859 / 0.828 / 0.844; the margin covers
+sampling noise (±0.03) and other CPUs' float rounding, not a failure to learn (a QUICK build
+that missed the copy skill — 150 steps, or 2-digit-and-1-digit keys — scored 0.02–0.2)."""
+
+
+# ------------------------------------------------------------------------------ hashing
+def _source_digest() -> str:
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for name in ("task.py", "base_model.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()
+
+
+def build_hash(cfg: BaseModelConfig) -> str:
+    import torch
+    import transformers
+
+    blob = json.dumps({"format": BUILD_FORMAT, "config": dataclasses.asdict(cfg), "hint": T.HINT,
+                       "source": _source_digest(), "torch": torch.__version__,
+                       "transformers": transformers.__version__}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------ data
+class SFTExample(NamedTuple):
+    ids: list[int]
+    mask: list[int]
+    """1 on the tokens trained on (assistant turns; not turn 0 of a ``context`` example)."""
+    kind: str
+    """``plain`` (old format, no hint), ``hint`` (hint before turn 0, new format) or
+    ``context`` (no hint, new-format call as untrained context, then the trained answer)."""
+
+
+def _example_messages(rng: random.Random, task: T.FactTask, hint_fraction: float,
+                      context_fraction: float = 0.0):
+    with_hint = rng.random() < hint_fraction
+    lines = rng.randint(*T.NEW_FORMAT_LINES)
+    kind = "hint" if with_hint else ("context" if context_fraction > 0 and rng.random() < context_fraction
+                                     else "plain")
+    return T.reference_messages(task, new_format=kind != "plain", lines=lines,
+                                hint=T.HINT if with_hint else None), kind
+
+
+def tokenizer_corpus(n_docs: int, seed: int) -> list[str]:
+    """Rendered demonstrations (both formats, with and without hint) for the BPE, plus the
+    tool's error texts so they do not fall back to bytes."""
+    from megatron_tg.chat.tokenizer import get_tiny_tokenizer
+
+    render_tok = get_tiny_tokenizer()  # any tokenizer with the template renders the same text
+    rng = random.Random(f"demo-tokenizer:{seed}")
+    docs = []
+    for i in range(n_docs):
+        msgs, _ = _example_messages(rng, T.make_task(seed, i, "tokenizer"), 0.5)
+        docs.append(render_tok.apply_chat_template(msgs, tokenize=False))
+    docs += ["Error: search: lines must be between 1 and 100, got 0",
+             "Error: unknown tool 'x'; available tools: search", "No matches for 'x'."] * 2
+    return docs
+
+
+def assistant_loss_mask(ids: Sequence[int], gen_prompt: Sequence[int], eos_id: int) -> list[int]:
+    """1 on every assistant turn token: after each generation prompt up to and including the
+    next stop token (the tokens a rollout's assistant segments hold)."""
+    mask = [0] * len(ids)
+    g = len(gen_prompt)
+    i = 0
+    while i <= len(ids) - g:
+        if list(ids[i:i + g]) == list(gen_prompt):
+            j = i + g
+            while j < len(ids):
+                mask[j] = 1
+                if ids[j] == eos_id:
+                    break
+                j += 1
+            i = j + 1
+        else:
+            i += 1
+    return mask
+
+
+def sft_examples(tokenizer, n: int, seed: int, hint_fraction: float,
+                 context_fraction: float = 0.0) -> list[SFTExample]:
+    """``n`` SFT examples; the text is the chat template's rendering of
+    :func:`reference_messages` (equal, token for token, to the rollout ``simulate_rollout``
+    builds, with ``insert_feedback``'s placement of the hint). ``hint_fraction`` of them are
+    ``hint`` examples; ``context_fraction`` of the others are ``context`` examples."""
+    from megatron_tg.chat.framing import generation_prompt_ids, stop_token_id
+
+    rng = random.Random(f"demo-sft:{seed}")
+    msgs, kinds = [], []
+    for i in range(n):
+        m, k = _example_messages(rng, T.make_task(seed, i, "sft"), hint_fraction, context_fraction)
+        msgs.append(m)
+        kinds.append(k)
+    eos_text = tokenizer.eos_token
+    texts = []
+    for m in msgs:  # up to the last stop token: the template's trailing "\n" is no turn's token
+        text = tokenizer.apply_chat_template(m, tokenize=False)
+        texts.append(text[:text.rindex(eos_text) + len(eos_text)])
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    gen, eos = generation_prompt_ids(tokenizer), stop_token_id(tokenizer)
+    out = []
+    for x, k in zip(ids, kinds):
+        mask = assistant_loss_mask(x, gen, eos)
+        if k == "context":  # the new-format call is context only: never a target without hint
+            first_end = mask.index(1) + next(j for j, t in enumerate(x[mask.index(1):]) if t == eos) + 1
+            mask[:first_end] = [0] * first_end
+        out.append(SFTExample(list(x), mask, k))
+    return out
+
+
+# ------------------------------------------------------------------------------ sampling
+def hf_generate_batch(model, tokenizer, *, temperature: float = 1.0, max_new_tokens: int = 48,
+                      batch_size: int = 128, generator_seed: int | None = None):
+    """A ``generate_batch`` for :func:`~megatron_tg.demo.task.run_episodes` backed by HF
+    ``generate``: left-padded batches, pure temperature sampling over the full vocabulary
+    (``top_k=0``, ``top_p=1``), returns ``(ids, logprobs)`` per row with log-probs of
+    ``log_softmax(logits / temperature)`` (the engine's convention); ``temperature=0`` is
+    greedy with raw log-probs. ``generator_seed`` reseeds torch's global RNG once, at
+    construction (HF ``generate`` samples from the global RNG)."""
+    import torch
+
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    pad = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
+    if generator_seed is not None:
+        torch.manual_seed(generator_seed)
+
+    sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
+                else dict(do_sample=False))
+
+    @torch.inference_mode()
+    def generate_batch(contexts: list[list[int]]):
+        outs = []
+        for s in range(0, len(contexts), batch_size):
+            chunk = contexts[s:s + batch_size]
+            t = max(len(c) for c in chunk)
+            ids = torch.full((len(chunk), t), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), t), dtype=torch.long)
+            for b, c in enumerate(chunk):
+                ids[b, t - len(c):] = torch.tensor(c)
+                mask[b, t - len(c):] = 1
+            res = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos, pad_token_id=pad, output_logits=True,
+                                 return_dict_in_generate=True, **sampling)
+            new = res.sequences[:, t:]
+            logits = torch.stack(res.logits, dim=1).float()  # [B, n, V], raw
+            lp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+            lp = lp.gather(-1, new[:, :lp.shape[1], None]).squeeze(-1)
+            for b in range(len(chunk)):
+                row = new[b].tolist()
+                n = row.index(eos) + 1 if eos in row else len(row)
+                outs.append((row[:n], lp[b, :n].tolist()))
+        return outs
+
+    return generate_batch
+
+
+def _forced_first_turn(generate_batch, first_turns: list[list[int]]):
+    """Wrap ``generate_batch`` so that the first round returns ``first_turns`` (teacher-forced
+    tool call; log-probs 0) and later rounds sample."""
+    state = {"round": 0}
+
+    def gen(contexts):
+        state["round"] += 1
+        if state["round"] == 1:
+            assert len(contexts) == len(first_turns)
+            return [(list(t), [0.0] * len(t)) for t in first_turns]
+        return generate_batch(contexts)
+
+    return gen
+
+
+def turn_ids(tokenizer, task: T.FactTask, *, new_format: bool, lines: int = 3) -> list[int]:
+    """The reference tool-call turn's generated ids (through the stop token)."""
+    from megatron_tg.chat.framing import assistant_generation_text, encode
+
+    msg = T.reference_messages(task, new_format=new_format, lines=lines)[1]
+    return encode(tokenizer, assistant_generation_text(tokenizer, msg))
+
+
+def branch_probabilities(model, tokenizer, tasks: Sequence[T.FactTask], *, hint: str | None,
+                         lines: int = 3) -> list[float]:
+    """Teacher-forced P(first token of the new format | the old-format call up to the branch),
+    per task: in the tool-call turn the two formats share a prefix (``...<parameter=query>\\n
+    KEY\\n</parameter>\\n``) and then diverge at one token (``</function`` delimiter vs the
+    ``<parameter`` of ``lines``); this is the model's probability of the new branch there."""
+    import torch
+
+    from megatron_tg.chat.framing import prompt_ids
+
+    seqs, at, want = [], [], []
+    for t in tasks:
+        old, new = turn_ids(tokenizer, t, new_format=False), turn_ids(tokenizer, t, new_format=True, lines=lines)
+        j = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
+        msgs = list(t.prompt_messages()) + ([T.hint_message(hint)] if hint is not None else [])
+        p = prompt_ids(tokenizer, msgs)
+        seqs.append(p + new[:j])
+        at.append(len(p) + j - 1)
+        want.append(new[j])
+    probs = []
+    with torch.inference_mode():
+        L = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), L, dtype=torch.long)
+        for b, s in enumerate(seqs):  # right padding: causal attention never sees it
+            ids[b, :len(s)] = torch.tensor(s)
+        logits = model(input_ids=ids).logits.float()
+        pr = torch.softmax(logits, dim=-1)
+        for b in range(len(seqs)):
+            probs.append(float(pr[b, at[b], want[b]]))
+    return probs
+
+
+def evaluate(model, tokenizer, cfg: BaseModelConfig, *, n: int | None = None, seed: int | None = None) -> dict[str, Any]:
+    """The base model's three properties, by sampling episodes through :func:`run_episodes`.
+
+    * ``success_no_hint``: task success without hint;
+    * ``new_format_no_hint``: fraction of episodes whose search calls all use ``lines`` (at
+      least one call), without hint — the base rate RL must escape from;
+    * ``new_format_hint``: the same with the hint before the tool-call turn;
+    * ``success_hint``, ``success_forced_new_no_hint`` (turn 0 teacher-forced to a new-format
+      call, no hint: can the model answer from an N-line result it only saw with the hint?);
+    * ``p_branch_*``: mean / max of :func:`branch_probabilities` (exact, no sampling noise).
+    """
+    n = cfg.eval_episodes if n is None else n
+    seed = cfg.seed if seed is None else seed
+    model.eval()
+    tasks = T.make_tasks(n, seed=seed, split="eval")  # a stream SFT never drew from
+    gen = hf_generate_batch(model, tokenizer, temperature=cfg.eval_temperature,
+                            max_new_tokens=cfg.eval_max_new_tokens, batch_size=cfg.eval_batch_size,
+                            generator_seed=seed + 17)
+    kw = dict(max_turns=cfg.max_turns)
+    t0 = time.perf_counter()
+    no_hint = T.run_episodes(tasks, gen, tokenizer, **kw)
+    hinted = T.run_episodes(tasks, gen, tokenizer, hint=T.HINT, **kw)
+    rng = random.Random(f"demo-eval:{seed}")
+    forced = [turn_ids(tokenizer, t, new_format=True, lines=rng.randint(*T.NEW_FORMAT_LINES)) for t in tasks]
+    forced_eps = T.run_episodes(tasks, _forced_first_turn(gen, forced), tokenizer, **kw)
+    sample_s = time.perf_counter() - t0
+    pb_no = branch_probabilities(model, tokenizer, tasks, hint=None)
+    pb_hint = branch_probabilities(model, tokenizer, tasks, hint=T.HINT)
+    first_no = [e.metrics["first_call_new_format"] for e in no_hint]
+    m = {
+        "eval_episodes": n,
+        "eval_temperature": cfg.eval_temperature,
+        "success_no_hint": T.rate(no_hint, "success"),
+        "new_format_no_hint": T.rate(no_hint, "new_format"),
+        "new_format_no_hint_count": sum(e.new_format for e in no_hint),
+        "search_call_rate_no_hint": sum(1 for f in first_no if f is not None) / n,
+        "format_ok_no_hint": T.rate(no_hint, "format_ok"),
+        "success_hint": T.rate(hinted, "success"),
+        "new_format_hint": T.rate(hinted, "new_format"),
+        "success_forced_new_no_hint": T.rate(forced_eps, "success"),
+        "p_branch_no_hint_mean": sum(pb_no) / n,
+        "p_branch_no_hint_max": max(pb_no),
+        "p_branch_hint_mean": sum(pb_hint) / n,
+        "p_branch_hint_min": min(pb_hint),
+        "eval_sampling_s": round(sample_s, 2),
+    }
+    return m
+
+
+# ------------------------------------------------------------------------------ training
+def _lr_at(step: int, cfg: BaseModelConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    p = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def train(model, examples, cfg: BaseModelConfig, pad_id: int, log=None) -> list[float]:
+    """Plain PyTorch AdamW SFT; cross-entropy on assistant tokens only (logits computed only
+    where a target exists). Returns the per-step losses."""
+    import torch
+    import torch.nn.functional as F
+
+    rng = random.Random(f"demo-batches:{cfg.seed}")
+    decay = [p for n_, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n_]
+    no_decay = [p for n_, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n_)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    model.train()
+    losses = []
+    for step in range(cfg.steps):
+        # Uniform batches: length-bucketed ones (sort 8 batches' draw by length, split) cut
+        # padding by a third but left the copy skill unlearnt at 300 steps (success 0.05 vs 0.95).
+        batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
+        L = max(len(x[0]) for x in batch)
+        ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
+        tgt_mask = torch.zeros((len(batch), L), dtype=torch.bool)
+        for b, (x, m, _) in enumerate(batch):
+            ids[b, :len(x)] = torch.tensor(x)
+            tgt_mask[b, :len(m)] = torch.tensor(m, dtype=torch.bool)
+        # right padding needs no attention mask: causal attention never looks right.
+        h = model.model(input_ids=ids).last_hidden_state
+        sel = tgt_mask[:, 1:]
+        logits = model.lm_head(h[:, :-1][sel])
+        loss = F.cross_entropy(logits.float(), ids[:, 1:][sel])
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if log is not None and (step % 50 == 0 or step == cfg.steps - 1):
+            log(f"step {step:4d}  loss {losses[-1]:.4f}  lr {_lr_at(step, cfg):.2e}")
+    model.eval()
+    return losses
+
+
+# ------------------------------------------------------------------------------ build
+def load_metrics(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+    p = Path(out_dir) / METRICS_FILE
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _complete(out_dir: Path) -> bool:
+    return all((out_dir / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json",
+                                                  "tokenizer_config.json"))
+
+
+def build_base_model(out_dir: str | os.PathLike, *, seed: int = 0, steps: int | None = None,
+                     force: bool = False, log=None, **overrides: Any) -> dict[str, Any]:
+    """Build (or reuse) the base model in ``out_dir``; returns its metrics.
+
+    ``overrides`` are :class:`BaseModelConfig` fields (``steps`` too). Reuse: when ``out_dir``
+    holds a complete build whose ``build_hash`` equals this one's, its stored metrics are
+    returned with ``cached: True`` (``force=True`` rebuilds). Metrics: the :func:`evaluate`
+    rates, ``sft_seconds`` (training only), ``build_seconds``, ``n_params``, losses, the hint
+    text/role the model was trained with, the config and the hash.
+    """
+    import torch
+
+    if steps is not None:
+        overrides["steps"] = steps
+    cfg = BaseModelConfig(seed=seed, **overrides)
+    out = Path(out_dir)
+    h = build_hash(cfg)
+    prev = load_metrics(out)
+    if not force and prev is not None and prev.get("build_hash") == h and _complete(out):
+        return {**prev, "cached": True}
+
+    say = log or (lambda s: None)
+    t_start, c_start = time.perf_counter(), time.process_time()
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        from transformers import Qwen3MoeForCausalLM
+
+        from megatron_tg.chat.framing import stop_token_id
+        from megatron_tg.chat.tokenizer import build_tiny_tokenizer
+
+        out.mkdir(parents=True, exist_ok=True)
+        mp = out / METRICS_FILE
+        if mp.exists():
+            mp.unlink()  # an interrupted rebuild must not look complete
+        tok = build_tiny_tokenizer(out, corpus=tokenizer_corpus(cfg.tokenizer_docs, cfg.seed),
+                                   vocab_size=cfg.vocab_size)
+        eos, pad = stop_token_id(tok), tok.convert_tokens_to_ids(tok.pad_token)
+        t0 = time.perf_counter()
+        examples = sft_examples(tok, cfg.pool_size, cfg.seed, cfg.hint_fraction, cfg.context_fraction)
+        data_s = time.perf_counter() - t0
+        say(f"tokenizer {len(tok)} ids; {len(examples)} SFT examples, mean length "
+            f"{sum(len(x) for x, _, _ in examples) / len(examples):.1f} tokens ({data_s:.1f} s)")
+
+        torch.manual_seed(cfg.seed)
+        model = Qwen3MoeForCausalLM(cfg.model_config(len(tok), eos, pad))
+        n_params = sum(p.numel() for p in model.parameters())
+        say(f"Qwen3MoeForCausalLM: {n_params:,} parameters")
+        t0, c0 = time.perf_counter(), time.process_time()
+        losses = train(model, examples, cfg, pad, log=say)
+        sft_s, sft_cpu = time.perf_counter() - t0, time.process_time() - c0
+
+        t0 = time.perf_counter()
+        metrics = evaluate(model, tok, cfg)
+        eval_s = time.perf_counter() - t0
+        model.generation_config.eos_token_id = eos
+        model.generation_config.pad_token_id = pad
+        model.save_pretrained(out)
+        metrics.update({
+            "build_hash": h, "config": dataclasses.asdict(cfg), "n_params": n_params,
+            "vocab_size": len(tok), "hint_text": T.HINT, "hint_role": T.FEEDBACK_ROLE,
+            "feedback": T.FEEDBACK,
+            "mean_sft_tokens": sum(len(x) for x, _, _ in examples) / len(examples),
+            "sft_seconds": round(sft_s, 1), "sft_cpu_seconds": round(sft_cpu, 1),
+            "sft_ms_per_step": round(1000 * sft_s / cfg.steps, 1),
+            "eval_seconds": round(eval_s, 1), "data_seconds": round(data_s, 1),
+            "loss_first": losses[0], "loss_last": float(sum(losses[-20:]) / len(losses[-20:])),
+            "threads": cfg.threads,
+        })
+        metrics["build_seconds"] = round(time.perf_counter() - t_start, 1)
+        metrics["build_cpu_seconds"] = round(time.process_time() - c_start, 1)
+        mp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        return {**metrics, "cached": False}
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def load_base_model(out_dir: str | os.PathLike):
+    """(model, tokenizer) from a built ``out_dir``, model in eval mode (fp32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(out_dir)).eval()
+    return model, AutoTokenizer.from_pretrained(str(out_dir))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m megatron_tg.demo.base_model",
+                                 description="Build (or reuse) the demo's SFT'd tiny Qwen3-MoE base model.")
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help=f"CI-sized build: {QUICK}")
+    ap.add_argument("--force", action="store_true", help="rebuild even if a matching build exists")
+    a = ap.parse_args(argv)
+    over = dict(QUICK) if a.quick else {}
+    if a.steps is not None:
+        over["steps"] = a.steps
+    m = build_base_model(a.out_dir, seed=a.seed, force=a.force, log=print, **over)
+    keys = ("cached", "n_params", "sft_seconds", "sft_cpu_seconds", "build_seconds",
+            "build_cpu_seconds", "success_no_hint", "new_format_no_hint", "new_format_hint",
+            "success_hint", "success_forced_new_no_hint", "p_branch_no_hint_mean", "p_branch_hint_mean")
+    print(json.dumps({k: m.get(k) for k in keys}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
