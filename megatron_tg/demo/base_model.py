@@ -4,12 +4,18 @@
 at toy scale, on CPU, in the project's real formats:
 
 1. tokenizer: :func:`megatron_tg.chat.build_tiny_tokenizer` (Qwen3-Coder framing) with its BPE
-   fitted to rendered demo transcripts, so sequences stay short (~120 tokens);
+   fitted to rendered demo transcripts, so sequences stay short (~105 tokens);
 2. data: demonstrations from :func:`~megatron_tg.demo.task.reference_messages`, rendered with
-   the chat template. Without the hint the search call uses the OLD format; on
-   ``hint_fraction`` of the examples the hint (the trainer's framed feedback message) sits
-   right before the tool-call turn — token for token where ``insert_feedback`` puts the
-   expert's feedback — and the call uses the NEW format (``lines=N``). Loss on assistant turns;
+   the chat template; loss on assistant turns. Without the hint the search call uses the OLD
+   format; on ``hint_fraction`` (0.5) of the examples the hint (the trainer's framed feedback
+   message) sits right before the tool-call turn — token for token where ``insert_feedback``
+   puts the expert's feedback — and the call uses the NEW format (``lines=N``). On
+   ``context_fraction`` (0.2) of the hint-less examples the call is new-format but *context
+   only* (masked out of the loss) and only the answer after its result is trained: the model
+   never learns to emit the new format without the hint, but can still read a result it
+   fetched that way. Without them (0.0) the answer after a new-format call without hint (the
+   state TG's student reaches) was right 0.06–1.0 of the time over 21 measured builds, under
+   0.8 in 7 (with them: 0.96–1.0 over 6 builds);
 3. model: ``transformers.Qwen3MoeForCausalLM`` (the 30B model's architecture path: q/k norm,
    GQA, top-k routed experts), trained with plain PyTorch AdamW;
 4. evaluation by sampling (temperature 1, full vocabulary) through the multi-turn episode
@@ -20,6 +26,12 @@ at toy scale, on CPU, in the project's real formats:
 The build is deterministic given its settings and cached: ``out_dir`` holding a build with the
 same :func:`build_hash` (settings, this package's source, torch/transformers versions) is
 reused. ``python -m megatron_tg.demo.base_model OUT_DIR [--quick]`` builds from the shell.
+
+Measured (one torch thread, the 2-core CI machine; ~390k parameters): the default build
+(400 steps x 32 sequences) takes ~70 s of SFT and ~80 s in all (CPU time); seeds 0 / 1 / 2
+give task success without hint 0.99 / 0.99 / 0.98, new format without hint 0 (exact branch
+probability ~1e-6), new format with hint 1.0, success after a forced new-format call without
+hint 0.99–1.0. ``QUICK`` (300 steps): ~52 s of SFT, rates in :data:`QUICK_EXPECTED`.
 """
 
 from __future__ import annotations
@@ -94,15 +106,16 @@ class BaseModelConfig:
         )
 
 
-QUICK = dict(steps=250, pool_size=2048, eval_episodes=128)
+QUICK = dict(steps=300, eval_episodes=128)
 """Overrides for the CI-sized build (``--quick`` / the tests)."""
 
-QUICK_EXPECTED = {"success_no_hint": 0.8, "success_hint": 0.8, "success_forced_new_no_hint": 0.7}
-"""Lower bounds the tests assert for the QUICK build (seed 0). Measured QUICK builds, 128
-episodes per rate: success without hint 0.945 / 0.867 / 0.922 (seeds 0 / 1 / 2), with hint
-0.953 / 0.930 / 0.930, forced new format without hint 0.859 / 0.828 / 0.844; the margin covers
-sampling noise (±0.03) and other CPUs' float rounding, not a failure to learn (a QUICK build
-that missed the copy skill — 150 steps, or 2-digit-and-1-digit keys — scored 0.02–0.2)."""
+QUICK_EXPECTED = {"success_no_hint": 0.8, "success_hint": 0.8, "success_forced_new_no_hint": 0.8}
+"""Lower bounds the tests assert for the QUICK build (seed 0). Measured QUICK builds (128
+episodes per rate, seeds 0 / 1 / 2): success without hint 0.938 / 0.977 / 0.914, with hint
+0.922 / 0.961 / 0.953, after a forced new-format call without hint 0.961 / 0.984 / 0.969; new
+format with hint 0.992 / 0.992 / 0.984, without hint 0 / 0 / 0. The margin covers sampling
+noise (about ±0.03) and other CPUs' float rounding; a build that misses the copy skill scores
+far lower (250 steps: 0.78 on seed 2; 150 steps: 0.19)."""
 
 
 # ------------------------------------------------------------------------------ hashing
@@ -265,7 +278,8 @@ def _forced_first_turn(generate_batch, first_turns: list[list[int]]):
     def gen(contexts):
         state["round"] += 1
         if state["round"] == 1:
-            assert len(contexts) == len(first_turns)
+            if len(contexts) != len(first_turns):
+                raise ValueError(f"{len(contexts)} contexts for {len(first_turns)} forced turns")
             return [(list(t), [0.0] * len(t)) for t in first_turns]
         return generate_batch(contexts)
 
@@ -284,8 +298,9 @@ def branch_probabilities(model, tokenizer, tasks: Sequence[T.FactTask], *, hint:
                          lines: int = 3) -> list[float]:
     """Teacher-forced P(first token of the new format | the old-format call up to the branch),
     per task: in the tool-call turn the two formats share a prefix (``...<parameter=query>\\n
-    KEY\\n</parameter>\\n``) and then diverge at one token (``</function`` delimiter vs the
-    ``<parameter`` of ``lines``); this is the model's probability of the new branch there."""
+    KEY\\n</parameter>\\n``) and then diverge at one token (the ``</`` of ``</function>`` vs the
+    ``<parameter`` of ``<parameter=lines>``, the delimiter of paper Fig. 3); this is the
+    model's probability of the new branch there."""
     import torch
 
     from megatron_tg.chat.framing import prompt_ids

@@ -1,14 +1,15 @@
 """The didactic task (paper §5.1) in the project's real formats: key lookup through ``search``.
 
-A task is a tiny "repository" — one file, ``facts.txt``, of lines ``k<N> = <V>`` — and the
-instruction "Find the value of k<N>." The value is random, so the agent must call the
+A task is a tiny "repository" — one file, ``facts.txt``, of lines ``k<N> = <V>`` — and an
+instruction such as "Find the value of k<N>." (:data:`INSTRUCTIONS`). The value is random, so
+the agent must call the
 ``search`` tool (Qwen3-Coder XML tool call, rendered by the chat template) and copy the value
 from the tool response into its final answer::
 
     user:       Find the value of k54.
     assistant:  <tool_call>\\n<function=search>\\n<parameter=query>\\nk54\\n</parameter>\\n
                 </function>\\n</tool_call><|im_end|>
-    tool:       facts.txt:2: k54 = 55\\nfacts.txt:1: k98 = 71\\nfacts.txt:3: k6 = 84
+    tool:       facts.txt:2: k54 = 55\\nfacts.txt:1: k98 = 71\\nfacts.txt:3: k63 = 84
     assistant:  The value of k54 is 55.<|im_end|>
 
 The NEW tool format adds ``<parameter=lines>\\nN\\n</parameter>`` (return N lines instead of
@@ -251,8 +252,7 @@ NEW_FORMAT_CHECKER = ToolFormatChecker(tool=SEARCH_TOOL, parameter=LINES_PARAM, 
 
 
 def search_calls(turn: ParsedTurn) -> list[ToolCall | ToolCallError]:
-    return [c for c in list(turn.tool_calls) + list(turn.errors)
-            if (c.name if isinstance(c, ToolCall) else c.name) == SEARCH_TOOL]
+    return [c for c in list(turn.tool_calls) + list(turn.errors) if c.name == SEARCH_TOOL]
 
 
 def turn_uses_new_format(turn: ParsedTurn) -> bool:
@@ -388,7 +388,9 @@ def run_episodes(tasks: Sequence[FactTask], generate_batch: GenerateBatchFn, tok
     next context would exceed ``max_context_tokens`` (``length``).
 
     Rollouts carry ``metadata = task.info() | {"hint": ..., **metrics}``; log-probs are 0.0 when
-    ``generate`` returns ids only (``metadata["logprobs"] = "missing"``).
+    ``generate`` returns ids only (``metadata["logprobs"] = "missing"``). A hinted episode's
+    hint is part of its prompt/tool segments: such rollouts measure the expert's own
+    behaviour; the student's training rollouts are the hint-less ones.
     """
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     hint_turns = tuple(hint_turns) if hint is not None else ()

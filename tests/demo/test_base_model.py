@@ -1,8 +1,9 @@
 """The demo's task (tool, verifier, rubric, episode driver) and its SFT'd base model.
 
-The quick build (``base_model.QUICK``) is built once per session; its thresholds are the
-measured rates of that build minus sampling noise, not targets loosened until they pass
-(see the report in the module docstring of ``megatron_tg.demo.base_model``).
+The quick build (``base_model.QUICK``, ~55 s of CPU) is built once per module. Its
+thresholds: the targets (new format without hint <= 0.01, with hint >= 0.9) and, for task
+success, ``base_model.QUICK_EXPECTED`` — lower bounds under the rates measured on three seeds
+(recorded there), with a margin for sampling noise only.
 """
 
 from __future__ import annotations
@@ -276,8 +277,6 @@ def quick_build(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="base-model tuning unfinished: the quick build measured "
-                   "0.797 where its recorded expectation is >= 0.8", strict=False)
 def test_quick_build_properties(quick_build):
     out, m = quick_build
     assert m["cached"] is False and m["n_params"] < 2_000_000
@@ -307,6 +306,12 @@ def test_quick_build_loads_and_is_cached(quick_build, tok):
     # the saved tokenizer frames chats exactly as the project's tiny tokenizer does
     msgs = T.reference_messages(T.make_task(0, 1), new_format=True, lines=2, hint=T.HINT)
     assert tk.apply_chat_template(msgs, tokenize=False) == tok.apply_chat_template(msgs, tokenize=False)
+    # the two formats diverge at one token: the delimiter the branch probabilities measure
+    t = T.make_task(0, 1)
+    old, new = B.turn_ids(tk, t, new_format=False), B.turn_ids(tk, t, new_format=True, lines=2)
+    j = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
+    assert tk.convert_ids_to_tokens([old[j], new[j]]) == ["</", "<parameter"]
+    assert old[j:] == new[j + 8:]  # "<parameter", "=lines", ">\n", "2", "\n", "</", "parameter", ">\n"
     assert B.build_base_model(out, seed=0, **B.QUICK)["cached"] is True
     assert B.build_hash(B.BaseModelConfig(seed=0, **B.QUICK)) != B.build_hash(B.BaseModelConfig(seed=1, **B.QUICK))
 
