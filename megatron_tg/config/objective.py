@@ -146,6 +146,13 @@ class ObjectiveConfig:
     one expert sequence per failing turn holding only that turn's feedback (the paper's
     μ(·|s_t, f_t) exactly; one forward pass per failing turn)."""
 
+    expert_prefix_reuse: bool = True
+    """Shared expert only: run the expert forward on the suffix of each expert sequence (from
+    the first inserted feedback on) and take the prefix's keys/values from the student's
+    forward, which saw the same tokens under the same weights (exact up to float rounding).
+    Saves the expert's compute over the prefix: most of a rollout when the failing turns are
+    late. False: the expert runs over whole expert sequences (the paper's naive cost)."""
+
     logits_chunk_size: int = 1024
     """Tokens per chunk in the vocab-parallel ops: peak extra memory ≈ chunk × V/TP floats."""
 

@@ -62,6 +62,13 @@ class RolloutConfig:
     """Most rollouts generating at once (the engines' load); a new group starts when there is
     room for all group_size of its rollouts. 0 = buffer_size * group_size."""
 
+    sampling_seed: Optional[int] = None
+    """Seed every generation request: request seed = hash(sampling_seed, prompt position,
+    rollout index in the group, turn, piece), sent as SGLang's ``sampling_params.sampling_seed``.
+    The same weights then sample the same tokens whatever the timing, so a run killed and
+    resumed from a checkpoint regenerates exactly what the uninterrupted run saw. None: the
+    engines' own RNG (faster on SGLang, which batches seeded requests less well)."""
+
     stale_policy: str = "drop"
     """What happens to a group older than max_staleness: "drop" it (counted as dropped/stale) or
     "regenerate" its prompt (at most max_retries times, then dropped)."""

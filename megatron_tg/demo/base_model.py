@@ -50,7 +50,7 @@ from typing import Any, NamedTuple, Sequence
 from megatron_tg.demo import task as T
 
 METRICS_FILE = "base_metrics.json"
-BUILD_FORMAT = 1  # bump when the build's outputs change meaning
+BUILD_FORMAT = 2  # bump when the build's outputs change meaning
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,18 @@ class BaseModelConfig:
     """Fraction of SFT examples that carry the hint (and use the new format)."""
     context_fraction: float = 0.2
     """Fraction of the other examples whose (untrained) tool call uses the new format."""
+    hint_old_fraction: float = 0.15
+    """Fraction of the hint examples whose tool call uses the OLD format, with the format's
+    branch token (the first token where the two formats differ) masked out of the loss: the
+    model never learns to choose the old format under the hint, but learns to continue an
+    old-format call it finds in its context coherently. That is what the TG expert is asked to
+    do: it scores the student's (old-format) turn token by token. Without these examples the
+    expert, teacher-forced past the branch onto a prefix it never saw, predicted junk
+    (``</parameter`` after ``</``, a digit instead of ``</tool_call>``) with per-token KL of
+    10-13 nats at three positions besides the branch; the KL then taught malformed calls and
+    the student stopped searching within 5 RL steps (measured with forward KL). With 0.15:
+    off-branch KL mean < 0.001, max 0.04 (seed 0); 0.25 cost task success in one build
+    (0.87 without hint, 0.54 with), 0.15 and 0.1 kept it at 0.98-0.99."""
     pool_size: int = 4096
     """Distinct SFT examples, rendered and tokenised once, then sampled with replacement."""
     # model (Qwen3MoeConfig)
@@ -143,17 +155,20 @@ class SFTExample(NamedTuple):
     mask: list[int]
     """1 on the tokens trained on (assistant turns; not turn 0 of a ``context`` example)."""
     kind: str
-    """``plain`` (old format, no hint), ``hint`` (hint before turn 0, new format) or
-    ``context`` (no hint, new-format call as untrained context, then the trained answer)."""
+    """``plain`` (old format, no hint), ``hint`` (hint before turn 0, new format),
+    ``context`` (no hint, new-format call as untrained context, then the trained answer) or
+    ``hint_old`` (hint, old-format call trained except its branch token)."""
 
 
 def _example_messages(rng: random.Random, task: T.FactTask, hint_fraction: float,
-                      context_fraction: float = 0.0):
+                      context_fraction: float = 0.0, hint_old_fraction: float = 0.0):
     with_hint = rng.random() < hint_fraction
     lines = rng.randint(*T.NEW_FORMAT_LINES)
-    kind = "hint" if with_hint else ("context" if context_fraction > 0 and rng.random() < context_fraction
-                                     else "plain")
-    return T.reference_messages(task, new_format=kind != "plain", lines=lines,
+    if with_hint:
+        kind = "hint_old" if hint_old_fraction > 0 and rng.random() < hint_old_fraction else "hint"
+    else:
+        kind = "context" if context_fraction > 0 and rng.random() < context_fraction else "plain"
+    return T.reference_messages(task, new_format=kind in ("hint", "context"), lines=lines,
                                 hint=T.HINT if with_hint else None), kind
 
 
@@ -193,20 +208,30 @@ def assistant_loss_mask(ids: Sequence[int], gen_prompt: Sequence[int], eos_id: i
     return mask
 
 
+def format_branch(tokenizer, task: T.FactTask) -> int:
+    """Index, within the tool-call turn's ids, of the first token where the old and the new
+    format differ (the token the format is decided by)."""
+    old, new = (turn_ids(tokenizer, task, new_format=f) for f in (False, True))
+    return next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
+
+
 def sft_examples(tokenizer, n: int, seed: int, hint_fraction: float,
-                 context_fraction: float = 0.0) -> list[SFTExample]:
+                 context_fraction: float = 0.0, hint_old_fraction: float = 0.0) -> list[SFTExample]:
     """``n`` SFT examples; the text is the chat template's rendering of
     :func:`reference_messages` (equal, token for token, to the rollout ``simulate_rollout``
-    builds, with ``insert_feedback``'s placement of the hint). ``hint_fraction`` of them are
-    ``hint`` examples; ``context_fraction`` of the others are ``context`` examples."""
+    builds, with ``insert_feedback``'s placement of the hint). ``hint_fraction`` of them carry
+    the hint (``hint_old_fraction`` of those are ``hint_old``, the rest ``hint``);
+    ``context_fraction`` of the others are ``context`` examples."""
     from megatron_tg.chat.framing import generation_prompt_ids, stop_token_id
 
     rng = random.Random(f"demo-sft:{seed}")
-    msgs, kinds = [], []
+    msgs, kinds, tasks = [], [], []
     for i in range(n):
-        m, k = _example_messages(rng, T.make_task(seed, i, "sft"), hint_fraction, context_fraction)
+        task = T.make_task(seed, i, "sft")
+        m, k = _example_messages(rng, task, hint_fraction, context_fraction, hint_old_fraction)
         msgs.append(m)
         kinds.append(k)
+        tasks.append(task)
     eos_text = tokenizer.eos_token
     texts = []
     for m in msgs:  # up to the last stop token: the template's trailing "\n" is no turn's token
@@ -215,11 +240,17 @@ def sft_examples(tokenizer, n: int, seed: int, hint_fraction: float,
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     gen, eos = generation_prompt_ids(tokenizer), stop_token_id(tokenizer)
     out = []
-    for x, k in zip(ids, kinds):
+    for x, k, task in zip(ids, kinds, tasks):
         mask = assistant_loss_mask(x, gen, eos)
         if k == "context":  # the new-format call is context only: never a target without hint
             first_end = mask.index(1) + next(j for j, t in enumerate(x[mask.index(1):]) if t == eos) + 1
             mask[:first_end] = [0] * first_end
+        elif k == "hint_old":  # never a target: choosing the old format under the hint
+            start = mask.index(1)
+            old = turn_ids(tokenizer, task, new_format=False)
+            if list(x[start:start + len(old)]) != old:
+                raise RuntimeError(f"SFT example {task.id}: tool-call turn is not the reference turn")
+            mask[start + format_branch(tokenizer, task)] = 0
         out.append(SFTExample(list(x), mask, k))
     return out
 
@@ -294,6 +325,35 @@ def turn_ids(tokenizer, task: T.FactTask, *, new_format: bool, lines: int = 3) -
     return encode(tokenizer, assistant_generation_text(tokenizer, msg))
 
 
+def expert_turn_kl(model, tokenizer, tasks: Sequence[T.FactTask]) -> dict[str, float]:
+    """What TG's expert says about the student's usual turn: for the reference OLD-format
+    tool-call turn of each task (no hint), the per-token forward KL(expert || student) with the
+    expert = the same model on the trainer's expert sequence (:func:`build_expert_sequences`,
+    hint right before the turn). A good expert disagrees at the format's branch token only;
+    everywhere else it should continue the student's call as the student does."""
+    import torch
+
+    from megatron_tg.chat.builder import simulate_rollout
+    from megatron_tg.chat.framing import build_expert_sequences
+
+    at_branch, off_branch = [], []
+    with torch.no_grad():
+        for t in tasks:
+            ro = simulate_rollout(tokenizer, T.reference_messages(t, new_format=False))
+            ex = build_expert_sequences(ro, {0: T.HINT}, tokenizer)[0]
+            ls = model(torch.tensor([ro.token_ids])).logits[0].float().log_softmax(-1)
+            le = model(torch.tensor([ex.token_ids])).logits[0].float().log_softmax(-1)
+            turn = ro.assistant_turns()[0]
+            b = turn.start + format_branch(tokenizer, t)
+            for j in range(turn.start, turn.end):
+                e, st = le[ex.position_map[j] - 1], ls[j - 1]
+                kl = float((e.exp() * (e - st)).sum())
+                (at_branch if j == b else off_branch).append(kl)
+    return {"expert_kl_branch_mean": sum(at_branch) / len(at_branch),
+            "expert_kl_off_branch_mean": sum(off_branch) / len(off_branch),
+            "expert_kl_off_branch_max": max(off_branch)}
+
+
 def branch_probabilities(model, tokenizer, tasks: Sequence[T.FactTask], *, hint: str | None,
                          lines: int = 3) -> list[float]:
     """Teacher-forced P(first token of the new format | the old-format call up to the branch),
@@ -355,6 +415,7 @@ def evaluate(model, tokenizer, cfg: BaseModelConfig, *, n: int | None = None, se
     sample_s = time.perf_counter() - t0
     pb_no = branch_probabilities(model, tokenizer, tasks, hint=None)
     pb_hint = branch_probabilities(model, tokenizer, tasks, hint=T.HINT)
+    expert_kl = expert_turn_kl(model, tokenizer, tasks[:64])
     first_no = [e.metrics["first_call_new_format"] for e in no_hint]
     m = {
         "eval_episodes": n,
@@ -372,6 +433,7 @@ def evaluate(model, tokenizer, cfg: BaseModelConfig, *, n: int | None = None, se
         "p_branch_hint_mean": sum(pb_hint) / n,
         "p_branch_hint_min": min(pb_hint),
         "eval_sampling_s": round(sample_s, 2),
+        **expert_kl,
     }
     return m
 
@@ -480,7 +542,8 @@ def build_base_model(out_dir: str | os.PathLike, *, seed: int = 0, steps: int | 
                                    vocab_size=cfg.vocab_size)
         eos, pad = stop_token_id(tok), tok.convert_tokens_to_ids(tok.pad_token)
         t0 = time.perf_counter()
-        examples = sft_examples(tok, cfg.pool_size, cfg.seed, cfg.hint_fraction, cfg.context_fraction)
+        examples = sft_examples(tok, cfg.pool_size, cfg.seed, cfg.hint_fraction, cfg.context_fraction,
+                                cfg.hint_old_fraction)
         data_s = time.perf_counter() - t0
         say(f"tokenizer {len(tok)} ids; {len(examples)} SFT examples, mean length "
             f"{sum(len(x) for x, _, _ in examples) / len(examples):.1f} tokens ({data_s:.1f} s)")
@@ -543,7 +606,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     m = build_base_model(a.out_dir, seed=a.seed, force=a.force, log=print, **over)
     keys = ("cached", "n_params", "sft_seconds", "sft_cpu_seconds", "build_seconds",
             "build_cpu_seconds", "success_no_hint", "new_format_no_hint", "new_format_hint",
-            "success_hint", "success_forced_new_no_hint", "p_branch_no_hint_mean", "p_branch_hint_mean")
+            "success_hint", "success_forced_new_no_hint", "p_branch_no_hint_mean", "p_branch_hint_mean",
+            "expert_kl_branch_mean", "expert_kl_off_branch_mean", "expert_kl_off_branch_max")
     print(json.dumps({k: m.get(k) for k in keys}, indent=2))
     return 0
 

@@ -89,10 +89,18 @@ class TurnOutput:
         return meta
 
 
+def request_seed(*parts: int) -> int:
+    """A 31-bit sampling seed from integers (stable across processes and Python versions)."""
+    import hashlib
+
+    digest = hashlib.sha256(":".join(str(int(x)) for x in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
 class RolloutContext:
     def __init__(self, client, task: Any, *, group_id: str, rollout_id: str, index: int = 0,
                  gate: VersionGate | None = None, sampling_params: dict[str, Any] | None = None,
-                 max_aborts: int = 3, vocab_size: int | None = None):
+                 max_aborts: int = 3, vocab_size: int | None = None, seed: int | None = None):
         self.client = client
         self.task = task
         self.group_id = group_id
@@ -103,6 +111,8 @@ class RolloutContext:
         self.sampling_params = dict(sampling_params or {})
         self.max_aborts = max_aborts
         self.vocab_size = vocab_size
+        self.seed = seed
+        """Base of this rollout's per-request sampling seeds (None: the engine's own RNG)."""
         self.turns = 0
 
     @property
@@ -128,6 +138,8 @@ class RolloutContext:
             if not versions or versions[-1] != v:
                 versions.append(v)
             p = dict(params)
+            if self.seed is not None and "sampling_seed" not in p:
+                p["sampling_seed"] = request_seed(self.seed, turn, k)
             if budget is not None:
                 p["max_new_tokens"] = budget - len(ids)
             res = await self.client.generate(prompt + ids, p, return_logprob=True,

@@ -47,7 +47,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from megatron_tg.chat.framing import FramingError
 from megatron_tg.rollout.client import SGLangClientError
-from megatron_tg.rollout.context import EngineError, MalformedOutputError, RolloutContext, VersionGate
+from megatron_tg.rollout.context import request_seed, EngineError, MalformedOutputError, RolloutContext, VersionGate
 from megatron_tg.rollout.types import Rollout, RolloutFormatError
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,16 @@ class RolloutManager:
 
     def _can_admit(self) -> bool:
         return (self._rollouts_running + self.cfg.group_size <= self.max_inflight_rollouts
-                and len(self._buffer) < self.cfg.buffer_size and self._has_prompt() and not self._doomed())
+                and len(self._buffer) < self.cfg.buffer_size and self._has_prompt() and not self._doomed()
+                and not self._enough_for_one_step())
+
+    def _enough_for_one_step(self) -> bool:
+        """Fully on-policy (max_staleness=0): every group of this version beyond one step's
+        worth would be stale before the trainer could use it, so none is started. This also
+        makes the data of each step exactly the next prompts_per_step prompts, whatever the
+        timing (what a reproducible, resumable run needs)."""
+        return (self.cfg.max_staleness == 0
+                and len(self._buffer) + len(self._running) >= self.cfg.prompts_per_step)
 
     async def _produce(self) -> None:
         try:
@@ -209,9 +218,14 @@ class RolloutManager:
         gid = f"{self._task_id(task, item.index)}@{item.index}" + (f".r{item.attempt}" if item.attempt else "")
         t0 = time.monotonic()
         start_version = self.version
+        base_seed = getattr(self.cfg, "sampling_seed", None)
+        # Seeds depend on the data position and rollout index, not on the attempt: a group
+        # regenerated on the same weights (after a resume) samples the same tokens.
         ctxs = [RolloutContext(self.client, task, group_id=gid, rollout_id=f"{gid}/{i}", index=i, gate=self.gate,
                                sampling_params=self.sampling_params, max_aborts=self.cfg.max_retries,
-                               vocab_size=self.vocab_size) for i in range(self.cfg.group_size)]
+                               vocab_size=self.vocab_size,
+                               seed=None if base_seed is None else request_seed(base_seed, item.index, i))
+                for i in range(self.cfg.group_size)]
         subs = [asyncio.create_task(self.rollout_fn(c)) for c in ctxs]
         pending = set(subs)
         try:
@@ -346,6 +360,9 @@ class RolloutManager:
                     except asyncio.TimeoutError:
                         pass
                 batch = [self._buffer.popleft() for _ in range(min(n, len(self._buffer)))]
+                # Oldest weights first, then data order: the batch's order (and so the float
+                # summation order of the loss) does not depend on which group finished first.
+                batch.sort(key=lambda g: (g.version, g.index))
                 for g in batch:
                     self._c["trained"] += 1
                     self._delivered[g.group_id] = g.index

@@ -36,6 +36,7 @@ from megatron_tg.chat.framing import build_expert_sequences
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.objectives.guidance import build_gate
 from megatron_tg.rollout.types import Rollout
+from megatron_tg.train.prefix_kv import PrefixPlan, build_prefix_plan
 
 
 @dataclass
@@ -63,18 +64,23 @@ class PackedRows:
 
 
 def pack(sequences: Sequence[Sequence[int]], row_tokens: int, pad_multiple: int = 1,
-         pad_id: int = 0) -> PackedRows:
-    """First-fit-decreasing packing; raises if one sequence is longer than ``row_tokens``."""
+         pad_id: int = 0, cost: Sequence[int] | None = None) -> PackedRows:
+    """First-fit-decreasing packing; raises if one sequence is longer than ``row_tokens``.
+
+    ``cost`` (default: the lengths) is what a sequence uses of a row's ``row_tokens`` budget:
+    an expert suffix with prefix reuse costs its prefix too, because its queries attend to
+    the prefix's keys (attention work per row stays within budget², as without reuse)."""
     if not sequences:
         raise ValueError("nothing to pack")
-    longest = max(len(s) for s in sequences)
+    cost = [len(s) for s in sequences] if cost is None else list(cost)
+    longest = max(cost)
     if longest > row_tokens:
         raise ValueError(f"a sequence of {longest} tokens exceeds the row budget of {row_tokens}")
-    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    order = sorted(range(len(sequences)), key=lambda i: -cost[i])
     rows: list[list[int]] = []     # sequence indices per row
     used: list[int] = []
     for i in order:
-        n = len(sequences[i])
+        n = cost[i]
         for r, u in enumerate(used):
             if u + n <= row_tokens:
                 rows[r].append(i)
@@ -83,7 +89,8 @@ def pack(sequences: Sequence[Sequence[int]], row_tokens: int, pad_multiple: int 
         else:
             rows.append([i])
             used.append(n)
-    width = -(-max(used) // pad_multiple) * pad_multiple
+    width = max(sum(len(sequences[i]) for i in members) for members in rows)
+    width = -(-width // pad_multiple) * pad_multiple
     tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
     allowed = torch.zeros((len(rows), width, width), dtype=torch.bool)
@@ -121,12 +128,19 @@ class MicroBatch:
     expert_rows: torch.Tensor         # [G] flat expert rows, aligned with gate.nonzero()
     num_rollouts: int
     num_tokens: int                   # real (unpadded) student tokens
+    expert_prefix: PrefixPlan | None = None
+    """With prefix reuse: ``expert`` holds only the expert sequences' suffixes (from the first
+    inserted feedback on) and this says where their prefix keys are in the student's rows."""
 
 
 def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveConfig, *,
                       row_tokens: int, pad_multiple: int = 1, framing: str = "user",
-                      pad_id: int = 0) -> MicroBatch:
-    """Pack ``samples`` into one micro-batch (student rows, gates, expert rows)."""
+                      pad_id: int = 0, prefix_reuse: bool = False) -> MicroBatch:
+    """Pack ``samples`` into one micro-batch (student rows, gates, expert rows).
+
+    ``prefix_reuse`` (shared-weight expert only): pack only the expert sequences' suffixes,
+    from their first inserted feedback on; the expert pass takes the prefix keys/values from
+    the student pass (:mod:`megatron_tg.train.prefix_kv`)."""
     student = pack([s.rollout.token_ids for s in samples], row_tokens, pad_multiple, pad_id)
     rows, targets, behaviour, rindex, failed, thinking = [], [], [], [], [], []
     tokref: list[tuple[int, int]] = []  # (sample, token index) of each loss row
@@ -158,16 +172,21 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
     for j in gate.nonzero().squeeze(1).tolist():
         gated_turns.setdefault(tokref[j][0], set()).add(turnref[j])
     expert_seqs: list[list[int]] = []
+    prefixes: list[tuple[int, int, int]] = []  # per expert sequence: (sample, prefix, suffix)
     expert_pos: dict[tuple[int, int], tuple[int, int]] = {}  # (sample, token i) -> (eseq, epos)
     for k, turns in sorted(gated_turns.items()):
         fb = {t: samples[k].feedback_by_turn[t] for t in sorted(turns)}
         for eseq in build_expert_sequences(samples[k].rollout, fb, tokenizer,
                                            cfg.expert_sequence, framing):
             e = len(expert_seqs)
-            expert_seqs.append(eseq.token_ids)
+            # Tokens before the first inserted feedback are the student's own (same ids,
+            # same positions): with prefix reuse the expert pass skips them.
+            cut = eseq.feedback_spans[0].start if prefix_reuse else 0
+            expert_seqs.append(eseq.token_ids[cut:])
+            prefixes.append((k, cut, len(eseq.token_ids) - cut))
             for i, on in enumerate(eseq.kl_mask):
                 if on:
-                    expert_pos[(k, i)] = (e, eseq.position_map[i] - 1)
+                    expert_pos[(k, i)] = (e, eseq.position_map[i] - 1 - cut)
 
     # Gated rows in increasing flat order; their expert rows in the same order.
     order = torch.argsort(rows_t)
@@ -179,8 +198,10 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
         # An expert sequence is longer than its rollout by the inserted feedback, so a rollout
         # that fits the student's row budget may not fit it: widen the expert rows instead of
         # failing (the budget bounds packing, not which rollouts can be trained on).
-        budget = max(row_tokens, max(len(x) for x in expert_seqs))
-        expert = pack(expert_seqs, budget, pad_multiple, pad_id)
+        full = [p + n for _, p, n in prefixes]  # whole expert sequence lengths
+        budget = max(row_tokens, max(full))
+        expert = pack(expert_seqs, budget, pad_multiple, pad_id, cost=full)
+    plan = build_prefix_plan(student, expert, prefixes) if expert is not None and prefix_reuse else None
     expert_rows = []
     for j in gate.nonzero().squeeze(1).tolist():
         e, epos = expert_pos[tokref[int(order[j])]]
@@ -190,5 +211,6 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
         behaviour_logprobs=fields[1].float(), loss_mask=loss_mask, rollout_index=fields[2].long(),
         gate=gate, advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         expert=expert, expert_rows=torch.tensor(expert_rows, dtype=torch.long),
-        num_rollouts=len(samples), num_tokens=sum(len(s.rollout.token_ids) for s in samples))
+        num_rollouts=len(samples), num_tokens=sum(len(s.rollout.token_ids) for s in samples),
+        expert_prefix=plan)
 

@@ -114,6 +114,8 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
             metrics.update(trainer.train_step(samples))                          # GRPO + gated KL
             t2 = time.perf_counter()
             metrics.update(sync_weights(trainer, side))                          # -> engines
+            if rank0:
+                metrics.update(side.probe_metrics(trainer.step))
             tokens = sum(len(s.rollout.token_ids) for s in samples) * trainer.ctx.dims.dp
             metrics.update({"time/rollout_wait": t1 - t0, "time/train": t2 - t1,
                             "time/step": time.perf_counter() - t0,

@@ -110,8 +110,16 @@ class RolloutSide:
 
     def __init__(self, cfg: TGConfig, tokenizer, rollout_fn: Callable, tasks: Sequence[Any],
                  rubric: Rubric, *, engine_model_dir: str | None, log_dir: str | Path,
-                 version: int = 0, llm=None) -> None:
+                 version: int = 0, llm=None,
+                 rollout_metrics: Callable[[Sequence[Rollout]], dict[str, float]] | None = None
+                 ) -> None:
         self.cfg, self.rubric = cfg, rubric
+        # Task-specific per-step metrics over every rollout of the batch (e.g. the demo's
+        # episode verdicts), logged beside the judge's criteria.
+        self.rollout_metrics = rollout_metrics
+        # (every, fn): fn(step) -> metrics, run after the weight sync of every ``every``-th
+        # step on the engines' new weights (e.g. the demo's expert probe).
+        self.probes: list[tuple[int, Callable[[int], dict[str, float]]]] = []
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollouts", daemon=True)
         self._thread.start()
@@ -151,6 +159,8 @@ class RolloutSide:
         it = iter(results)
         per_group = [[next(it) for _ in g.rollouts] for g in groups]
         samples, lost, metrics = judged_samples(groups, per_group, self.rubric, self.cfg)
+        if self.rollout_metrics is not None:
+            metrics.update(self.rollout_metrics([ro for g in groups for ro in g.rollouts]))
         for gid in lost:
             self.manager.report_dropped(gid, "judge_error")
         metrics["rollout/staleness_max"] = float(max((g.staleness(version) for g in groups),
@@ -159,6 +169,13 @@ class RolloutSide:
         metrics.update({f"manager/{k}": float(v) for k, v in self.manager.counters().items()
                         if isinstance(v, (int, float))})
         return samples, metrics
+
+    def probe_metrics(self, step: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for every, fn in self.probes:
+            if every > 0 and step % every == 0:
+                out.update(fn(step))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return self.manager.state_dict()

@@ -2,17 +2,21 @@
 
 Order matters: the expert forward runs first, under ``no_grad``, and only its hidden states
 at the gated rows are kept ([G, H]); its activations are freed before the student's forward
-builds the autograd graph. Neither pass materialises logits: the fused vocab-parallel ops
+builds the autograd graph. With prefix reuse (the shared expert) the student runs first and
+the expert pass covers only the suffixes (see :mod:`megatron_tg.train.prefix_kv`). Neither pass materialises logits: the fused vocab-parallel ops
 compute the output layer at the loss rows only, chunk by chunk.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from megatron_tg.objectives import LossOutput, PolicyBatch, TGObjective, select_rows
 from megatron_tg.train.batching import MicroBatch
 from megatron_tg.train.policy import forward_hidden, unwrap
+from megatron_tg.train.prefix_kv import record_kv, reuse_kv
 
 
 def ops_reduce_hidden_grad(model: torch.nn.Module) -> bool:
@@ -44,20 +48,42 @@ def expert_hidden_states(expert_model: torch.nn.Module, mb: MicroBatch, *,
 def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBatch, *,
                      vocab_size: int, expert_model: torch.nn.Module | None = None,
                      num_rollouts: float | None = None, num_assistant_tokens: float | None = None,
-                     num_gated_tokens: float | None = None, expert_lockstep: bool = False
-                     ) -> LossOutput:
+                     num_gated_tokens: float | None = None, expert_lockstep: bool = False,
+                     prefix_reuse: bool = False) -> LossOutput:
     """The TG loss of one micro-batch (call ``.loss.backward()`` on the result).
 
     ``expert_model`` is the policy itself for the paper's shared-weight expert (None), or a
     frozen/EMA copy. ``num_rollouts`` is the rollout-average denominator when several
     micro-batches are accumulated into one step (default: this micro-batch's rollouts);
     ``num_assistant_tokens`` / ``num_gated_tokens`` likewise for the token-level ("global")
-    normalisations.
+    normalisations. ``prefix_reuse`` (shared expert; the micro-batch built with it): the
+    student pass runs first and the expert pass covers only the suffixes.
     """
-    expert_hidden, expert_weight = expert_hidden_states(expert_model or model, mb,
-                                                        lockstep=expert_lockstep)
-    student = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
-                             mb.student.attention_mask)
+    if prefix_reuse or mb.expert_prefix is not None:  # shared expert reusing the student's
+        # prefix keys/values: the student pass first
+        if expert_model is not None:
+            raise ValueError("prefix reuse needs the shared-weight expert (objective.expert=shared)")
+        gpt = unwrap(model)
+        with record_kv(gpt) as store:
+            student = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
+                                     mb.student.attention_mask)
+        expert_hidden = expert_weight = None
+        if mb.expert_prefix is not None and mb.expert_rows.numel() > 0:
+            with torch.no_grad(), reuse_kv(gpt, store, mb.expert_prefix):
+                out = forward_hidden(model, mb.expert.tokens, mb.expert.position_ids,
+                                     mb.expert.attention_mask)
+                expert_hidden = select_rows(out.hidden, mb.expert_rows).detach()
+        else:
+            store.keys.clear()
+            store.values.clear()
+            # Same pass order on every EP rank: each MoE all-to-all of the student pass must
+            # meet the other ranks' student pass, or backward pairs mismatched splits.
+            expert_hidden_states(model, replace(mb, expert=None), lockstep=expert_lockstep)
+    else:
+        expert_hidden, expert_weight = expert_hidden_states(expert_model or model, mb,
+                                                            lockstep=expert_lockstep)
+        student = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
+                                 mb.student.attention_mask)
     batch = PolicyBatch(
         target_ids=mb.target_ids, behaviour_logprobs=mb.behaviour_logprobs,
         loss_mask=mb.loss_mask, rollout_index=mb.rollout_index, advantages=mb.advantages,

@@ -77,6 +77,8 @@ class Trainer:
                                          distributed=p.use_distributed_optimizer,
                                          bf16=dtype == torch.bfloat16)
         self.expert_model = self._build_expert(model, dtype)
+        # Only the live-weight expert shares the student's keys/values.
+        self.prefix_reuse = cfg.objective.expert == "shared" and cfg.objective.expert_prefix_reuse
         self.objective = TGObjective(cfg.objective, group=self.ctx.group(Axis.TP),
                                      reduce_hidden_grad=ops_reduce_hidden_grad(self.model))
         tok_dir = cfg.model.tokenizer or cfg.model.hf_checkpoint or cfg.model.hf_config
@@ -172,7 +174,8 @@ class Trainer:
         micro = split_by_tokens(samples, budget)
         batches = [build_micro_batch(group, self.tokenizer, self.cfg.objective, row_tokens=budget,
                                      pad_multiple=tp, framing=self.cfg.judge.feedback_role,
-                                     pad_id=self.tokenizer.pad_token_id or 0) for group in micro]
+                                     pad_id=self.tokenizer.pad_token_id or 0,
+                                     prefix_reuse=self.prefix_reuse) for group in micro]
         # Step totals: every micro-batch normalises by the whole step, not by itself.
         totals = dict(num_rollouts=len(samples),
                       num_assistant_tokens=float(sum(int(mb.loss_mask.sum()) for mb in batches)),
@@ -184,10 +187,10 @@ class Trainer:
             # its expert pass happens exactly when the plan says (as a dummy if at all).
             mb = batches[i] if not padding else replace(
                 batches[0], expert=None, expert_rows=batches[0].expert_rows[:0],
-                gate=torch.zeros_like(batches[0].gate))
+                gate=torch.zeros_like(batches[0].gate), expert_prefix=None)
             out = micro_batch_loss(self.model, self.objective, mb, vocab_size=self.arch.vocab_size,
                                    expert_model=self.expert_model, expert_lockstep=need_expert,
-                                   **totals)
+                                   prefix_reuse=self.prefix_reuse, **totals)
             if padding:  # collectives only: this rank's data is used up, add nothing
                 (out.loss * 0.0).backward()
                 continue

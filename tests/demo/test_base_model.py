@@ -1,6 +1,6 @@
 """The demo's task (tool, verifier, rubric, episode driver) and its SFT'd base model.
 
-The quick build (``base_model.QUICK``, ~55 s of CPU) is built once per module. Its
+The quick build (``base_model.QUICK``, ~55 s of CPU) is built once per session (conftest.py). Its
 thresholds: the targets (new format without hint <= 0.01, with hint >= 0.9) and, for task
 success, ``base_model.QUICK_EXPECTED`` — lower bounds under the rates measured on three seeds
 (recorded there), with a margin for sampling noise only.
@@ -199,20 +199,25 @@ def test_sft_hint_placement_equals_insert_feedback(tok, new_format):
 
 
 def test_sft_examples_are_the_rendered_rollouts(tok):
-    ex = B.sft_examples(tok, 60, seed=0, hint_fraction=0.5, context_fraction=0.3)
+    ex = B.sft_examples(tok, 80, seed=0, hint_fraction=0.5, context_fraction=0.3, hint_old_fraction=0.3)
     kinds = [e.kind for e in ex]
     assert 10 < kinds.count("hint") < 50 and kinds.count("context") > 2 and kinds.count("plain") > 10
+    assert kinds.count("hint_old") > 2
     gen = generation_prompt_ids(tok)
     for ids, mask, kind in ex:
         text = tok.decode(ids)
-        assert ("<parameter=lines>" in text) == (kind != "plain")
-        assert (T.HINT in text) == (kind == "hint")
+        assert ("<parameter=lines>" in text) == (kind in ("hint", "context"))
+        assert (T.HINT in text) == (kind in ("hint", "hint_old"))
         assert ids[-1] == tok.eos_token_id and mask[-1] == 1 and len(mask) == len(ids)
         full = B.assistant_loss_mask(ids, gen, tok.eos_token_id)
         trained = tok.decode([t for t, m in zip(ids, mask) if m])
         if kind == "context":  # the new-format call is never a target without the hint
             assert "<tool_call>" not in trained and trained.startswith("The value of")
             assert sum(mask) < sum(full)
+        elif kind == "hint_old":  # the old call is trained under the hint, but for its branch token
+            off = [i for i, (m, f) in enumerate(zip(mask, full)) if m != f]
+            assert len(off) == 1 and tok.convert_ids_to_tokens([ids[off[0]]]) == ["</"]
+            assert trained.startswith("<tool_call>") and tok.decode(ids[off[0]:off[0] + 2]) == "</function"
         else:
             assert mask == full and trained.startswith("<tool_call>")
 
@@ -271,9 +276,8 @@ def test_sft_is_deterministic(tok):
 
 
 @pytest.fixture(scope="module")
-def quick_build(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo_base")
-    return out, B.build_base_model(out, seed=0, **B.QUICK)
+def quick_build(quick_base):
+    return quick_base
 
 
 @pytest.mark.slow
@@ -290,6 +294,10 @@ def test_quick_build_properties(quick_build):
     assert m["success_hint"] >= B.QUICK_EXPECTED["success_hint"]
     # after a new-format call without the hint (what TG will teach) the answer still works
     assert m["success_forced_new_no_hint"] >= B.QUICK_EXPECTED["success_forced_new_no_hint"]
+    # the expert (hint in context) disagrees with the student's old-format turn at the
+    # format's branch token, and continues the rest of the student's call as the student does
+    assert m["expert_kl_branch_mean"] > 5.0
+    assert m["expert_kl_off_branch_mean"] < 0.05
     saved = json.loads((out / B.METRICS_FILE).read_text())
     assert saved["build_hash"] == m["build_hash"] and saved["hint_text"] == T.HINT
 

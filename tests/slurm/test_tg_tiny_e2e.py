@@ -28,7 +28,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    """The tiny random Qwen3-MoE policy + tokenizer the CPU default trains (scripts/demo.sh)."""
+    """The tiny random Qwen3-MoE policy + tokenizer (megatron_tg.models.tiny, recipes/tiny_cpu.yaml)."""
     from megatron_tg.models.tiny import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("policy"))

@@ -102,7 +102,8 @@ def _rank_fn(rank, world, tp, state, hf_cfg, samples, contexts, tok_dir):
     from megatron_tg.parallel.dims import Axis
     from megatron_tg.parallel.state import init_parallel
     from megatron_tg.train.batching import build_micro_batch, pack
-    from megatron_tg.train.policy import forward_hidden
+    from megatron_tg.train.policy import forward_hidden, unwrap
+    from megatron_tg.train.prefix_kv import record_kv, reuse_kv
     from megatron_tg.train.step import expert_hidden_states
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
@@ -155,12 +156,29 @@ def _rank_fn(rank, world, tp, state, hf_cfg, samples, contexts, tok_dir):
         one_per_row=packed_logprobs(one_per_row), one_per_row_offsets=one_per_row.offsets,
         packed=packed_logprobs(all_in_one), packed_offsets=all_in_one.offsets,
         student_logits={}, expert={}, reference={})
+    result["reuse"], result["reuse_tokens"] = {}, {}
     for mode in ("shared", "exact"):
         cfg = ObjectiveConfig(mode="tg", expert_sequence=mode)
         mb = build_micro_batch(samples, tok, cfg, row_tokens=2 * longest, pad_multiple=tp)
         eh, ew = expert_hidden_states(model, mb)
         result["expert"][mode] = logits(eh, ew)
         result["reference"][mode] = [plain(ids) for _, _, ids, _ in contexts[mode]]
+        # Prefix reuse: the student pass records keys/values, the expert pass covers only
+        # the suffixes (rows packed with other budgets, so RoPE shifts are non-trivial).
+        for budget in (2 * longest, longest + 64):
+            mb = build_micro_batch(samples, tok, cfg, row_tokens=budget, pad_multiple=tp,
+                                   prefix_reuse=True)
+            gpt = unwrap(model)
+            with torch.no_grad():
+                with record_kv(gpt) as store:
+                    forward_hidden(model, mb.student.tokens, mb.student.position_ids,
+                                   mb.student.attention_mask)
+                with reuse_kv(gpt, store, mb.expert_prefix):
+                    out = forward_hidden(model, mb.expert.tokens, mb.expert.position_ids,
+                                         mb.expert.attention_mask)
+            rows = out.hidden.reshape(-1, out.hidden.shape[-1])[mb.expert_rows]
+            result["reuse"][(mode, budget)] = logits(rows, out.output_weight)
+            result["reuse_tokens"][(mode, budget)] = int((mb.expert.tokens != 0).sum())
     # The student (no feedback) at the same positions: the feedback must change the logits,
     # or the expert comparison above would prove nothing.
     result["student_logits"] = [plain(ids) for ids in seqs]
@@ -223,6 +241,32 @@ def test_expert_logits_equal_hand_built_feedback_context(setup, mode):
             assert (student - expert[rows]).abs().max() > 1e-2, "feedback had no effect"
             checked += 1
     assert checked == 2 * 3  # 2 TP sizes x 3 failing turns
+
+
+@pytest.mark.parametrize("mode", ["shared", "exact"])
+def test_prefix_reuse_expert_equals_the_full_expert_pass(setup, mode):
+    """The expert pass over suffixes only, attending to the student's recorded prefix
+    keys/values (re-rotated for their new positions), gives the full expert pass's logits."""
+    tok, samples, _, out = setup
+    full = build_micro_batch(samples, tok, ObjectiveConfig(mode="tg", expert_sequence=mode),
+                             row_tokens=2 * max(len(s.rollout.token_ids) for s in samples))
+    full_tokens = sum(len(x) for x in _expert_sequences(full))
+    for tp, ranks in out.items():
+        r = ranks[0]
+        for (m, budget), got in r["reuse"].items():
+            if m != mode:
+                continue
+            torch.testing.assert_close(got, r["expert"][mode], atol=1e-4, rtol=1e-4,
+                                       msg=f"tp={tp} {mode} budget {budget}")
+            # and it really skipped the prefixes
+            assert r["reuse_tokens"][(m, budget)] < 0.7 * full_tokens
+        if tp == 2:
+            for key, got in r["reuse"].items():
+                torch.testing.assert_close(ranks[1]["reuse"][key], got)
+
+
+def _expert_sequences(mb) -> list[list[int]]:
+    return [row[row != 0].tolist() for row in mb.expert.tokens]
 
 
 # ---------------------------------------------------------------------- gates (no model)

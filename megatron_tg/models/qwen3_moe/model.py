@@ -43,27 +43,41 @@ class RMSNorm(torch.nn.Module):
         return self.weight * h.to(dtype)
 
 
-def _replace_norms(spec: Any, memo: dict[int, Any] | None = None) -> Any:
-    """Walk a megatron ModuleSpec tree and swap the torch-norm wrapper for :class:`RMSNorm`.
+def _rewrite_spec(spec: Any, *, swap_norms: bool, arbitrary_masks: bool,
+                  memo: dict[int, Any] | None = None) -> Any:
+    """Walk a megatron ModuleSpec tree and
+
+    * (``swap_norms``, the local spec) swap the torch-norm wrapper for :class:`RMSNorm`;
+    * (``arbitrary_masks``, the TE spec) make every ``attn_mask_type=causal`` attention
+      ``arbitrary``: the trainer packs several sequences into a row with a block-diagonal
+      causal mask, and the expert's prefix-reuse pass attends over more keys than queries.
+      Transformer Engine ignores the mask of a ``causal`` attention (packed sequences would
+      attend to each other); the local attention applies any mask it is given, and with none
+      stays causal, so the local spec keeps ``causal``.
 
     Layer specs are shared between layers, so results are memoised by identity.
     """
+    from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     memo = {} if memo is None else memo
-    if spec is WrappedTorchNorm:
+    if swap_norms and spec is WrappedTorchNorm:
         return RMSNorm
     if id(spec) in memo:
         return memo[id(spec)]
+    rec = lambda x: _rewrite_spec(x, swap_norms=swap_norms, arbitrary_masks=arbitrary_masks,  # noqa: E731
+                                  memo=memo)
     if isinstance(spec, ModuleSpec):
-        module = RMSNorm if spec.module is WrappedTorchNorm else spec.module
-        out = dataclasses.replace(spec, module=module,
-                                  submodules=_replace_norms(spec.submodules, memo))
+        module = RMSNorm if swap_norms and spec.module is WrappedTorchNorm else spec.module
+        params = dict(spec.params or {})
+        if arbitrary_masks and params.get("attn_mask_type") == AttnMaskType.causal:
+            params["attn_mask_type"] = AttnMaskType.arbitrary
+        out = dataclasses.replace(spec, module=module, params=params, submodules=rec(spec.submodules))
     elif isinstance(spec, (list, tuple)):
-        out = type(spec)(_replace_norms(s, memo) for s in spec)
+        out = type(spec)(rec(s) for s in spec)
     elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        out = dataclasses.replace(spec, **{f.name: _replace_norms(getattr(spec, f.name), memo)
+        out = dataclasses.replace(spec, **{f.name: rec(getattr(spec, f.name))
                                            for f in dataclasses.fields(spec)})
     else:
         return spec
@@ -72,12 +86,13 @@ def _replace_norms(spec: Any, memo: dict[int, Any] | None = None) -> Any:
 
 
 def layer_spec(config, *, use_te: bool | None = None):
-    """The decoder block spec: TE on GPU, local spec with :class:`RMSNorm` on CPU."""
+    """The decoder block spec: TE on GPU, local spec with :class:`RMSNorm` on CPU; attention
+    masks honoured in both (see :func:`_rewrite_spec`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     use_te = torch.cuda.is_available() if use_te is None else use_te
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
-    return spec if use_te else _replace_norms(spec)
+    return _rewrite_spec(spec, swap_norms=not use_te, arbitrary_masks=use_te)
 
 
 def build_model(hf_config: Any, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,

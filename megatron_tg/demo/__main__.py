@@ -1,0 +1,254 @@
+"""The main job: the paper's didactic experiment (§5.1, Figures 1 and 3) at toy scale on CPU.
+
+    python -m megatron_tg.demo --out runs/demo            # full: ~15 min on 2 cores
+    python -m megatron_tg.demo --quick --out runs/quick   # CI-sized: a few minutes
+
+1. base model: a tiny Qwen3-MoE SFT'd on the key-lookup task (:mod:`.base_model`): it solves
+   the task with the ``search`` tool, never uses the new ``lines=`` format unaided, and uses it
+   when the feedback hint stands right before the tool-call turn. Saved as an HF checkpoint
+   with its tokenizer, then converted with ``tools/convert_hf_to_megatron.py``;
+2. RL from that base through the real TG loop (:mod:`.rl`: megatron-core trainer, embedded
+   engine over SGLang's HTTP API, async rollout manager, judge, weight sync), criteria =
+   task success (``answer``, primary) + new tool format (``search_lines``), three methods:
+   ``grpo``, ``opsd`` and ``tg`` (the recipe's default KL direction);
+3. the KL-direction comparison (full run): ``tg`` with each of ``reverse`` / ``forward`` /
+   ``jsd`` over several seeds, then the ``ema`` expert for the best direction, with the
+   expert probe (the expert's own new-format rate) every few steps;
+4. the table (like the paper's Table 1), ``OUT/summary.json`` and ``OUT/curves.png``.
+
+The command reports the issue's targets as measured and exits 0 whether they are met or not
+(a reproduction reports; it is not a test). Exit 1 means a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from megatron_tg.demo import base_model as B
+from megatron_tg.demo import report as R
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "demo_cpu.yaml"
+CONVERTER = ROOT / "tools" / "convert_hf_to_megatron.py"
+METHODS = ("grpo", "opsd", "tg")
+DIRECTIONS = ("reverse", "forward", "jsd")
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: int
+    seeds: tuple[int, ...]
+    last: int
+    """Final rates = mean over the last ``last`` steps."""
+    compare: bool
+    probe_every: int
+    base_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+FULL = Plan(steps=30, seeds=(0, 1, 2), last=10, compare=True, probe_every=10)
+QUICK = Plan(steps=25, seeds=(0,), last=5, compare=False, probe_every=0, base_overrides=dict(B.QUICK))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    mode: str
+    seed: int
+    direction: str | None = None
+    expert: str = "shared"
+
+    def overrides(self) -> list[str]:
+        out = [f"objective.mode={self.mode}", f"seed={self.seed}", f"objective.expert={self.expert}"]
+        if self.direction is not None:
+            out.append(f"objective.kl_direction={self.direction}")
+        return out
+
+
+def _log(text: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def recipe_default_direction(recipe: Path) -> str:
+    from megatron_tg.config import load_config
+
+    return load_config(recipe).objective.kl_direction
+
+
+def convert(base: Path, out: Path, py: str) -> None:
+    """HF base model -> megatron torch_dist checkpoint, with the project's conversion tool
+    (skipped when ``out`` already holds the conversion of this very build)."""
+    stamp = json.loads((base / "base_metrics.json").read_text())["build_hash"]
+    marker = out / "demo_build_hash"
+    if marker.exists() and marker.read_text() == stamp:
+        return
+    if out.exists():
+        shutil.rmtree(out)
+    cmd = [py, str(CONVERTER), "--hf-dir", str(base), "--out-dir", str(out), "--no-progress"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    if res.returncode != 0:
+        raise RuntimeError(f"conversion failed ({' '.join(cmd)}):\n{res.stdout[-2000:]}{res.stderr[-4000:]}")
+    _log(res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "converted")
+    marker.write_text(stamp)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    env["OMP_NUM_THREADS"] = "1"  # one thread per process: 2 runs share 2 cores
+    return env
+
+
+def run_one(spec: RunSpec, out: Path, plan: Plan, py: str, recipe: Path) -> Path:
+    """One RL run as its own process (its own gloo world, engine and port); returns its dir."""
+    from megatron_tg.rollout.engine.launch import free_port
+
+    run_dir = out / "runs" / spec.name
+    done = run_dir / "done.json"
+    if done.exists() and json.loads(done.read_text()).get("overrides") == spec.overrides() + [f"steps={plan.steps}"]:
+        _log(f"{spec.name}: reusing the finished run in {run_dir}")
+        return run_dir
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    base = out / "base"
+    args = [py, "-m", "megatron_tg.demo.rl", "--recipe", str(recipe),
+            "--probe-every", str(plan.probe_every if spec.mode == "tg" else 0),
+            f"model.hf_config={base}", f"model.hf_checkpoint={base}",
+            f"model.megatron_checkpoint={out / 'base_megatron'}",
+            f"logging.run_dir={run_dir}", f"run_name=demo-{spec.name}", f"steps={plan.steps}",
+            *spec.overrides()]
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    t0 = time.perf_counter()
+    with open(run_dir / "stdout.log", "w") as log:
+        code = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+    if code != 0:
+        tail = (run_dir / "stdout.log").read_text()[-3000:]
+        raise RuntimeError(f"run {spec.name} failed with exit code {code}; its log ends:\n{tail}")
+    secs = time.perf_counter() - t0
+    done.write_text(json.dumps({"overrides": spec.overrides() + [f"steps={plan.steps}"],
+                                "seconds": round(secs, 1)}) + "\n")
+    s = R.summarize_run(run_dir, plan.last)
+    _log(f"{spec.name}: {secs:.0f} s, new format {s['criterion_rate']:.3f}, task {s['pass_rate']:.3f}"
+         f"{', COLLAPSED' if s['collapsed'] else ''}")
+    return run_dir
+
+
+def run_all(specs: Sequence[RunSpec], out: Path, plan: Plan, py: str, recipe: Path, jobs: int) -> dict[str, Path]:
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futs = {s.name: pool.submit(run_one, s, out, plan, py, recipe) for s in specs}
+        return {name: f.result() for name, f in futs.items()}
+
+
+def targets(methods: dict[str, Any], wall: float, quick: bool) -> dict[str, Any]:
+    g, t = methods["grpo"], methods["tg"]
+    checks = {
+        "grpo_criterion_rate_le_0.05": (g["criterion_rate"], g["criterion_rate"] <= 0.05),
+        "tg_criterion_rate_ge_0.8": (t["criterion_rate"], t["criterion_rate"] >= 0.8),
+        "tg_pass_rate_ge_grpo_minus_0.05": (t["pass_rate"] - g["pass_rate"],
+                                            t["pass_rate"] >= g["pass_rate"] - 0.05),
+        "tg_criterion_rate_above_grpo": (t["criterion_rate"] - g["criterion_rate"],
+                                         t["criterion_rate"] > g["criterion_rate"]),
+    }
+    if not quick:
+        checks["wall_seconds_le_900"] = (wall, wall <= 900)
+    return {k: {"measured": v, "met": bool(ok)} for k, (v, ok) in checks.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_tg.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/demo", help="output directory (reused: finished runs are kept)")
+    ap.add_argument("--quick", action="store_true", help="CI-sized: quick base, fewer steps, no comparison")
+    ap.add_argument("--steps", type=int, help="RL steps per run (default: 30 full, 25 quick)")
+    ap.add_argument("--seeds", type=int, help="seeds per KL-direction variant (default 3)")
+    ap.add_argument("--no-compare", action="store_true", help="skip the KL-direction comparison")
+    ap.add_argument("--jobs", type=int, default=2, help="RL runs at a time (default 2: one per core)")
+    ap.add_argument("--recipe", default=str(RECIPE), help="the RL recipe (default recipes/demo_cpu.yaml)")
+    a = ap.parse_args(argv)
+    plan = QUICK if a.quick else FULL
+    if a.steps is not None:
+        plan = Plan(**{**plan.__dict__, "steps": a.steps})
+    if a.seeds is not None:
+        plan = Plan(**{**plan.__dict__, "seeds": tuple(range(a.seeds))})
+    if a.no_compare:
+        plan = Plan(**{**plan.__dict__, "compare": False})
+    out, recipe, py = Path(a.out).resolve(), Path(a.recipe).resolve(), sys.executable
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    _log(f"base model -> {out / 'base'}")
+    base = B.build_base_model(out / "base", seed=0, log=lambda s: _log("  " + s), **plan.base_overrides)
+    _log(f"base: task success {base['success_no_hint']:.3f}, new format without hint "
+         f"{base['new_format_no_hint']:.3f}, with hint {base['new_format_hint']:.3f}"
+         f"{' (cached)' if base.get('cached') else ''}")
+    convert(out / "base", out / "base_megatron", py)
+
+    default_dir = recipe_default_direction(recipe)
+    specs = [RunSpec(m, m, 0) for m in METHODS]
+    variants: dict[str, list[str]] = {}
+    if plan.compare:
+        for d in DIRECTIONS:
+            variants[d] = ["tg" if (d == default_dir and s == 0) else f"tg-{d}-s{s}" for s in plan.seeds]
+            specs += [RunSpec(n, "tg", s, d) for n, s in zip(variants[d], plan.seeds) if n != "tg"]
+    _log(f"{len(specs)} RL runs of {plan.steps} steps, {a.jobs} at a time")
+    dirs = run_all(specs, out, plan, py, recipe, a.jobs)
+
+    comparison = None
+    if plan.compare:
+        per = {d: R.aggregate([R.summarize_run(dirs[n], plan.last) for n in names])
+               for d, names in variants.items()}
+        winner = max(DIRECTIONS, key=lambda d: (per[d]["criterion_rate"] + per[d]["pass_rate"]))
+        ema = [RunSpec(f"tg-{winner}-ema-s{s}", "tg", s, winner, expert="ema") for s in plan.seeds]
+        dirs.update(run_all(ema, out, plan, py, recipe, a.jobs))
+        variants[f"{winner}+ema"] = [s.name for s in ema]
+        per[f"{winner}+ema"] = R.aggregate([R.summarize_run(dirs[s.name], plan.last) for s in ema])
+        comparison = {"default": default_dir, "winner": winner,
+                      "winner_rule": "highest mean final (criterion rate + pass rate) over seeds",
+                      "seeds": list(plan.seeds), "variants": per,
+                      "runs": {k: [str(dirs[n].relative_to(out)) for n in v] for k, v in variants.items()}}
+
+    methods = {}
+    for m in METHODS:
+        methods[m] = {**R.summarize_run(dirs[m], plan.last), "base_criterion_rate": base["new_format_no_hint"],
+                      "base_pass_rate": base["success_no_hint"], "run": str(dirs[m].relative_to(out))}
+    methods["tg"]["kl_direction"] = default_dir
+    wall = time.perf_counter() - t_start
+    summary: dict[str, Any] = {
+        "methods": methods, "steps": plan.steps, "wall_seconds": round(wall, 1),
+        "last_steps_averaged": plan.last, "quick": a.quick,
+        "definitions": {"criterion_rate": R.CRITERION, "pass_rate": R.PASS},
+        "base": {k: base.get(k) for k in ("n_params", "success_no_hint", "new_format_no_hint",
+                                          "new_format_hint", "success_hint", "p_branch_no_hint_mean",
+                                          "expert_kl_branch_mean", "expert_kl_off_branch_max")},
+        "targets": targets(methods, wall, a.quick),
+    }
+    if comparison is not None:
+        summary["kl_directions"] = comparison
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    png = R.plot(out / "curves.png", {m: dirs[m] for m in METHODS},
+                 {k: [dirs[n] for n in v] for k, v in variants.items()} if comparison else None)
+
+    print()
+    print(R.methods_table(methods, plan.last))
+    if comparison is not None:
+        print()
+        print(R.directions_table(comparison["variants"]))
+        print(f"recipe default: {default_dir}; best measured: {comparison['winner']}")
+    print()
+    for k, v in summary["targets"].items():
+        print(f"target {k:<36} {'met   ' if v['met'] else 'MISSED'} (measured {v['measured']:.3f})")
+    print(f"\nwall {wall:.0f} s; summary {out / 'summary.json'}; plot {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The demo's numbers: per-run summaries from ``metrics.jsonl``, the Table-1-like table, the plot.
+
+Definitions (the same for every run, whatever its method):
+
+* criterion rate: ``demo/new_format`` — the fraction of a step's training rollouts whose
+  search calls all pass ``lines=`` (at least one call). Stricter than the rubric's
+  ``search_lines`` criterion, which passes vacuously when no search is made;
+* pass rate: ``criteria/answer`` — the judge's primary (task) criterion;
+* final values: mean ± std over the last ``last`` steps of a run (Table 1 of the paper
+  reports final rates the same way);
+* steps to 0.8: the first step whose criterion rate reaches 0.8 (None: never);
+* collapsed: the pass rate fell below half its start (the mean of the first 3 steps) at
+  some step — the prototype's failure mode (``lines= N`` loops, task success 0.015);
+  recovered: collapsed, yet the final pass rate is back to at least 0.9 x its start.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from megatron_tg.train.metrics import read_metrics
+
+CRITERION = "demo/new_format"
+PASS = "criteria/answer"
+THRESHOLD = 0.8
+
+
+def series(rows: Sequence[Mapping[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
+
+
+def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
+    if not xs:
+        return math.nan, math.nan
+    return statistics.fmean(xs), (statistics.pstdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarize_run(run_dir: str | Path, last: int) -> dict[str, Any]:
+    rows = read_metrics(run_dir)
+    crit, passed = series(rows, CRITERION), series(rows, PASS)
+    if not crit or not passed:
+        raise ValueError(f"{run_dir}: metrics.jsonl has no {CRITERION!r}/{PASS!r} rows "
+                         "(did the run fail? see its stdout.log)")
+    c, cs = _mean_std(crit[-last:])
+    p, ps = _mean_std(passed[-last:])
+    start = statistics.fmean(passed[:3])
+    hit = next((r["step"] for r in rows if r.get(CRITERION, 0.0) >= THRESHOLD), None)
+    out = {"criterion_rate": c, "criterion_rate_std": cs, "pass_rate": p, "pass_rate_std": ps,
+           "steps": len(rows), "steps_to_0.8": hit,
+           "collapsed": bool(min(passed) < 0.5 * start),
+           "recovered": bool(min(passed) < 0.5 * start and p >= 0.9 * start),
+           "pass_rate_start": start,
+           "pass_rate_min": min(passed)}
+    for key, name in (("kl/mean_gated", "kl_gated"), ("entropy/all", "entropy"),
+                      ("probe/new_format", "expert_probe_criterion_rate"),
+                      ("probe/success", "expert_probe_pass_rate")):
+        xs = series(rows, key)
+        if xs:
+            out[f"final_{name}"] = statistics.fmean(xs[-last:]) if name.startswith("kl") or \
+                name == "entropy" else xs[-1]
+            if name.startswith("expert_probe"):
+                out[f"min_{name}"] = min(xs)
+    times = series(rows, "time/step")
+    out["seconds_per_step"] = statistics.fmean(times) if times else math.nan
+    return out
+
+
+def aggregate(per_seed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Across seeds: means ± std of the final rates, and the per-seed lists."""
+    crit = [r["criterion_rate"] for r in per_seed]
+    pas = [r["pass_rate"] for r in per_seed]
+    c, cs = _mean_std(crit)
+    p, ps = _mean_std(pas)
+    return {"seeds": len(per_seed), "criterion_rate": c, "criterion_rate_std": cs,
+            "pass_rate": p, "pass_rate_std": ps, "criterion_rate_per_seed": crit,
+            "pass_rate_per_seed": pas,
+            "steps_to_0.8": [r["steps_to_0.8"] for r in per_seed],
+            "collapsed": [r["collapsed"] for r in per_seed],
+            "collapsed_runs": sum(bool(r["collapsed"]) for r in per_seed),
+            "recovered_runs": sum(bool(r["recovered"]) for r in per_seed),
+            "expert_probe_final": [r.get("final_expert_probe_criterion_rate") for r in per_seed],
+            "expert_probe_min": [r.get("min_expert_probe_criterion_rate") for r in per_seed]}
+
+
+def _pm(m: float, s: float) -> str:
+    return f"{m:.3f} ± {s:.3f}" if m == m else "n/a"
+
+
+def _probe(xs) -> str:
+    xs = [x for x in xs if x is not None]
+    return ",".join(f"{x:.2f}" for x in xs) if xs else "-"
+
+
+def methods_table(methods: Mapping[str, Mapping[str, Any]], last: int) -> str:
+    lines = [f"Final rates (mean ± std over the last {last} steps; base = SFT model before RL)",
+             f"{'method':<8} {'new format (criterion)':>24} {'task (pass)':>16} {'base criterion':>15}"
+             f" {'steps to 0.8':>13} {'collapsed':>10}",]
+    for name, m in methods.items():
+        lines.append(f"{name:<8} {_pm(m['criterion_rate'], m['criterion_rate_std']):>24} "
+                     f"{_pm(m['pass_rate'], m['pass_rate_std']):>16} "
+                     f"{m['base_criterion_rate']:>15.3f} {str(m['steps_to_0.8']):>13} "
+                     f"{str(m['collapsed']):>10}")
+    return "\n".join(lines)
+
+
+def directions_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
+    lines = ["KL direction / expert comparison (final rates: mean ± std across seeds)",
+             f"{'variant':<16} {'seeds':>5} {'new format':>16} {'task':>16} {'steps to 0.8':>18}"
+             f" {'collapsed':>9} {'recovered':>9} {'expert probe min':>17}"]
+    for name, v in variants.items():
+        steps = ",".join("-" if s is None else str(s) for s in v["steps_to_0.8"])
+        lines.append(f"{name:<16} {v['seeds']:>5} {_pm(v['criterion_rate'], v['criterion_rate_std']):>16} "
+                     f"{_pm(v['pass_rate'], v['pass_rate_std']):>16} {steps:>18} "
+                     f"{v['collapsed_runs']:>7}/{v['seeds']} {v['recovered_runs']:>7}/{v['seeds']} "
+                     f"{_probe(v['expert_probe_min']):>17}")
+    return "\n".join(lines)
+
+
+def plot(out: str | Path, method_runs: Mapping[str, str | Path],
+         variant_runs: Mapping[str, Sequence[str | Path]] | None = None) -> Path:
+    """Top row: the methods' criterion rate, pass rate and gated KL per step (the paper's
+    Figure 3); bottom row (if given): each KL-direction variant's seed-mean criterion and
+    pass rates, and the expert probe."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows_n = 2 if variant_runs else 1
+    fig, axes = plt.subplots(rows_n, 3, figsize=(13, 3.4 * rows_n), squeeze=False)
+    for name, d in method_runs.items():
+        rows = read_metrics(d)
+        for ax, key in zip(axes[0], (CRITERION, PASS, "kl/mean_gated")):
+            xs = [r["step"] for r in rows if key in r]
+            ax.plot(xs, series(rows, key), label=name)
+    for ax, title in zip(axes[0], ("new tool format (criterion)", "task success (pass)",
+                                   "KL on gated tokens")):
+        ax.set_title(title, fontsize=10)
+    if variant_runs:
+        for name, dirs in variant_runs.items():
+            runs = [read_metrics(d) for d in dirs]
+            for ax, key in zip(axes[1], (CRITERION, PASS, "probe/new_format")):
+                per = [series(r, key) for r in runs]
+                per = [p for p in per if p]
+                if not per:
+                    continue
+                n = min(len(p) for p in per)
+                steps = [r["step"] for r in runs[0] if key in r][:n]
+                ax.plot(steps, [statistics.fmean(p[i] for p in per) for i in range(n)], label=name)
+        for ax, title in zip(axes[1], ("new format, seed mean", "task success, seed mean",
+                                       "expert probe: new format with hint")):
+            ax.set_title(title, fontsize=10)
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

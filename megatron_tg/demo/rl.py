@@ -1,0 +1,121 @@
+"""One RL run of the didactic demo through the project's real TG loop.
+
+    python -m megatron_tg.demo.rl --recipe recipes/demo_cpu.yaml [key=value ...]
+
+Everything but the task is the production path of :mod:`megatron_tg.train.loop`: the trainer
+(megatron-core Qwen3-MoE, gloo) loads the converted base model, the embedded engine serves
+it over SGLang's HTTP API, the :class:`~megatron_tg.rollout.manager.RolloutManager` runs
+:class:`~megatron_tg.demo.agent.DemoAgent` episodes asynchronously, the judge scores them
+with the demo rubric (``answer`` + ``search_lines``), and the trainer's GRPO + gated-KL step,
+weight sync, checkpoint and metrics follow. The demo driver (``python -m megatron_tg.demo``)
+launches one such process per method and seed.
+
+Per step, besides the trainer's metrics, ``demo/*`` are the episode verdicts over every
+rollout of the batch: ``demo/new_format`` (every search call used ``lines=``, at least one
+call: the criterion the table reports), ``demo/success`` (the task), ``demo/both``,
+``demo/search_calls``.
+With ``--probe-every N`` the expert is probed too: every N steps a few prompts are sampled
+WITH the hint before the tool-call turn on the current weights, i.e. the expert's own
+behaviour (``probe/new_format``, ``probe/success``), so a degrading expert is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Sequence
+
+from megatron_tg.demo import task as T
+from megatron_tg.rollout.types import Rollout
+
+RL_TASKS = 4096
+"""Prompts in the RL stream (split ``rl``; disjoint from SFT and evaluation tasks). A run of
+60 steps x 8 prompts uses 480 of them: single-epoch, like the paper."""
+
+
+def episode_rates(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """``demo/*`` metrics from the rollouts' episode verdicts (metadata set by DemoAgent)."""
+    if not rollouts:
+        return {}
+    n = len(rollouts)
+    md = [r.metadata for r in rollouts]
+    return {"demo/new_format": sum(bool(m.get("new_format")) for m in md) / n,
+            "demo/success": sum(bool(m.get("success")) for m in md) / n,
+            "demo/both": sum(bool(m.get("success")) and bool(m.get("new_format")) for m in md) / n,
+            "demo/search_calls": sum(int(m.get("n_search_calls", 0)) for m in md) / n}
+
+
+class ExpertProbe:
+    """Sample ``n`` hinted episodes on the engine's current weights (the expert's behaviour).
+
+    Runs on the rollout side's event loop with the same client; the hint is the trainer's
+    framed feedback, where the trainer inserts it (right before the tool-call turn)."""
+
+    def __init__(self, side, tokenizer, cfg, n: int, seed: int) -> None:
+        self.side, self.tok, self.n = side, tokenizer, n
+        self.tasks = T.make_tasks(n, seed=seed, split="eval")
+        self.hint = T.hint_text(T.FEEDBACK, cfg.judge.feedback_framing)
+        self.role = cfg.judge.feedback_role
+        self.max_turns, self.max_new = cfg.rollout.max_turns, cfg.rollout.max_new_tokens
+
+    def __call__(self, step: int) -> dict[str, float]:
+        client = self.side.client
+
+        async def one(ids: list[int], i: int) -> list[int]:
+            res = await client.generate(ids, {"temperature": 1.0, "max_new_tokens": self.max_new,
+                                              "sampling_seed": 7919 * step + i},
+                                        return_logprob=False, rid=f"probe/{step}/{i}/{len(ids)}")
+            return list(res.output_ids)
+
+        def batch(inputs: list[list[int]]):
+            async def all_():
+                return await asyncio.gather(*(one(x, i) for i, x in enumerate(inputs)))
+            return self.side.call(all_())
+
+        eps = T.run_episodes(self.tasks, batch, self.tok, hint=self.hint, hint_role=self.role,
+                             max_turns=self.max_turns)
+        return {"probe/new_format": T.rate(eps, "new_format"), "probe/success": T.rate(eps, "success")}
+
+
+def make_rollout_side(probe_every: int = 0, probe_n: int = 32):
+    def factory(trainer):
+        from megatron_tg.demo.agent import DemoAgent
+        from megatron_tg.train.rollouts import RolloutSide
+
+        cfg = trainer.cfg
+        agent = DemoAgent(trainer.tokenizer, max_turns=cfg.rollout.max_turns,
+                          max_new_tokens=cfg.rollout.max_new_tokens,
+                          max_context_tokens=cfg.rollout.max_context_tokens)
+        tasks = T.make_tasks(RL_TASKS, seed=cfg.seed, split="rl")
+        side = RolloutSide(cfg, trainer.tokenizer, agent, tasks, T.rubric(),
+                           engine_model_dir=cfg.model.hf_checkpoint, log_dir=cfg.logging.run_dir,
+                           version=0, rollout_metrics=episode_rates)
+        if probe_every > 0:
+            side.probes.append((probe_every, ExpertProbe(side, trainer.tokenizer, cfg, probe_n,
+                                                         cfg.seed)))
+        return side
+    return factory
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_tg.demo.rl", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="recipes/demo_cpu.yaml")
+    ap.add_argument("--probe-every", type=int, default=0,
+                    help="probe the expert (hinted episodes) every N steps; 0: never")
+    ap.add_argument("--probe-n", type=int, default=32, help="episodes per probe")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    a = ap.parse_args(argv)
+    from megatron_tg.config import load_config, save_resolved
+    from megatron_tg.train.loop import run
+
+    cfg = load_config(a.recipe, list(a.overrides))
+    if int(os.environ.get("RANK", "0")) == 0:
+        save_resolved(cfg)
+    return run(cfg, make_rollout_side=make_rollout_side(a.probe_every, a.probe_n))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The demo's RL side: the rollout function, the run summaries, and the main job end to end.
+
+The end-to-end test runs ``python -m megatron_tg.demo --quick`` exactly as CI's users would
+(base model -> conversion -> grpo / opsd / tg through the real loop) and asserts the
+direction of the paper's result: GRPO never finds the new tool format, TG teaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_tg.chat.tokenizer import get_tiny_tokenizer
+from megatron_tg.demo import base_model as B
+from megatron_tg.demo import report as R
+from megatron_tg.demo import task as T
+from megatron_tg.demo.agent import DemoAgent
+from megatron_tg.demo.rl import episode_rates
+from megatron_tg.judge import Judge
+from megatron_tg.rollout.context import TurnOutput
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ScriptedCtx:
+    """A RolloutContext stand-in whose ``generate`` returns the reference turns."""
+
+    def __init__(self, tok, task, *, new_format: bool, answer: str | None = None):
+        self.task, self.group_id, self.rollout_id = task, "g", "g/0"
+        msgs = T.reference_messages(task, new_format=new_format, lines=2)
+        from megatron_tg.chat.framing import assistant_generation_text, encode
+
+        self.turns = [encode(tok, assistant_generation_text(tok, m)) for m in msgs if m["role"] == "assistant"]
+        if answer is not None:
+            self.turns[-1] = encode(tok, assistant_generation_text(tok, {"role": "assistant", "content": answer}))
+        self.inputs: list[list[int]] = []
+
+    async def generate(self, ids, max_new_tokens=None):
+        self.inputs.append(list(ids))
+        out = self.turns[len(self.inputs) - 1]
+        return TurnOutput(out, [-0.5] * len(out), 3, [3], "stop")
+
+
+@pytest.mark.parametrize("new_format, answer, success", [
+    (False, None, True), (True, None, True), (False, "The value is 12 or 13.", False)])
+def test_demo_agent_episode_and_judge(new_format, answer, success):
+    tok = get_tiny_tokenizer()
+    task = T.make_task(0, 4)
+    ctx = ScriptedCtx(tok, task, new_format=new_format, answer=answer)
+    ro = asyncio.run(DemoAgent(tok, max_turns=4)(ctx))
+    assert ro.num_turns == 2 and ro.finish_reason == "stop"
+    assert ro.metadata["new_format"] is new_format and ro.metadata["success"] is success
+    assert all(s.policy_version == 3 for s in ro.assistant_turns())
+    # the second turn saw the tool's real output for the call the first turn made
+    lines = 2 if new_format else None
+    assert tok.decode(ctx.inputs[1]).count(T.search(task, task.key, lines)) == 1
+    res = asyncio.run(Judge(T.rubric(), tok).judge_many([ro], task_infos={task.id: task}))[0]
+    assert res.passed == {"answer": success, "search_lines": new_format}
+    assert episode_rates([ro]) == {"demo/new_format": float(new_format), "demo/success": float(success),
+                                   "demo/both": float(new_format and success), "demo/search_calls": 1.0}
+
+
+def test_demo_agent_refuses_a_foreign_task():
+    ctx = ScriptedCtx(get_tiny_tokenizer(), T.make_task(0, 1), new_format=False)
+    ctx.task = {"id": "x"}
+    with pytest.raises(TypeError, match="FactTask"):
+        asyncio.run(DemoAgent(get_tiny_tokenizer())(ctx))
+
+
+def _write_rows(d: Path, crit, passed):
+    d.mkdir(parents=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        for i, (c, p) in enumerate(zip(crit, passed)):
+            f.write(json.dumps({"step": i + 1, R.CRITERION: c, R.PASS: p, "time/step": 1.0}) + "\n")
+
+
+def test_summaries_final_rates_threshold_and_collapse(tmp_path):
+    _write_rows(tmp_path / "a", [0.0, 0.1, 0.5, 0.85, 0.9, 1.0], [1.0, 0.9, 0.95, 0.4, 0.95, 0.95])
+    s = R.summarize_run(tmp_path / "a", last=2)
+    assert s["criterion_rate"] == pytest.approx(0.95) and s["criterion_rate_std"] == pytest.approx(0.05)
+    assert s["pass_rate"] == pytest.approx(0.95) and s["steps_to_0.8"] == 4
+    assert s["collapsed"] and s["recovered"]  # 0.4 < half of the start (0.95), then back
+    _write_rows(tmp_path / "b", [0.0] * 4, [1.0, 1.0, 0.6, 0.7])
+    s = R.summarize_run(tmp_path / "b", last=2)
+    assert s["steps_to_0.8"] is None and not s["collapsed"] and not s["recovered"]
+    agg = R.aggregate([R.summarize_run(tmp_path / n, 2) for n in "ab"])
+    assert agg["criterion_rate"] == pytest.approx(0.475) and agg["collapsed_runs"] == 1
+    assert agg["steps_to_0.8"] == [4, None]
+    _write_rows(tmp_path / "empty", [], [])
+    with pytest.raises(ValueError, match="no 'demo/new_format'"):
+        R.summarize_run(tmp_path / "empty", last=2)
+
+
+@pytest.mark.slow
+def test_quick_demo_end_to_end(quick_base, tmp_path):
+    base_dir, base = quick_base
+    out = tmp_path / "demo"
+    shutil.copytree(base_dir, out / "base")  # the session's quick build: reused by hash
+    res = subprocess.run([sys.executable, "-m", "megatron_tg.demo", "--quick", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "(cached)" in res.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    methods = summary["methods"]
+    assert set(methods) == {"grpo", "opsd", "tg"} and summary["steps"] == 25
+    for m in methods.values():
+        for key in ("criterion_rate", "criterion_rate_std", "pass_rate", "pass_rate_std",
+                    "base_criterion_rate"):
+            assert 0.0 <= m[key] <= 1.0, (key, m)
+        assert m["base_criterion_rate"] == base["new_format_no_hint"] <= 0.01
+    # The paper's direction: GRPO cannot reach a behaviour the policy never samples; TG can.
+    assert methods["grpo"]["criterion_rate"] <= 0.05
+    assert methods["tg"]["criterion_rate"] >= methods["grpo"]["criterion_rate"] + 0.25
+    assert summary["wall_seconds"] > 0 and (out / "curves.png").stat().st_size > 10_000
+    assert "Final rates" in res.stdout and "target tg_criterion_rate_ge_0.8" in res.stdout
+    # the runs went through the real loop: converted checkpoint, engines, weight syncs
+    assert (out / "base_megatron" / "metadata.json").exists()
+    rows = [json.loads(x) for x in (out / "runs" / "tg" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 25 and all(r["sync/tensors"] > 0 for r in rows)
