@@ -12,8 +12,9 @@
    task success (``answer``, primary) + new tool format (``search_lines``), three methods:
    ``grpo``, ``opsd`` and ``tg`` (the recipe's default KL direction);
 3. the KL-direction comparison (full run): ``tg`` with each of ``reverse`` / ``forward`` /
-   ``jsd`` over several seeds, then the ``ema`` expert for the best direction, with the
-   expert probe (the expert's own new-format rate) every few steps;
+   ``jsd`` with the paper's shared expert over several seeds, then the ``ema`` expert for
+   the best direction, with the expert probe (the expert's own new-format rate, with the
+   hint) every few steps;
 4. the table (like the paper's Table 1), ``OUT/summary.json`` and ``OUT/curves.png``.
 
 The command reports the issue's targets as measured and exits 0 whether they are met or not
@@ -65,10 +66,14 @@ class RunSpec:
     mode: str
     seed: int
     direction: str | None = None
-    expert: str = "shared"
+    """None: the recipe's ``objective.kl_direction``."""
+    expert: str | None = None
+    """None: the recipe's ``objective.expert``."""
 
     def overrides(self) -> list[str]:
-        out = [f"objective.mode={self.mode}", f"seed={self.seed}", f"objective.expert={self.expert}"]
+        out = [f"objective.mode={self.mode}", f"seed={self.seed}"]
+        if self.expert is not None:
+            out.append(f"objective.expert={self.expert}")
         if self.direction is not None:
             out.append(f"objective.kl_direction={self.direction}")
         return out
@@ -78,10 +83,12 @@ def _log(text: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def recipe_default_direction(recipe: Path) -> str:
+def recipe_defaults(recipe: Path) -> tuple[str, str]:
+    """The recipe's (KL direction, expert): what the headline ``tg`` run uses."""
     from megatron_tg.config import load_config
 
-    return load_config(recipe).objective.kl_direction
+    obj = load_config(recipe).objective
+    return obj.kl_direction, obj.expert
 
 
 def convert(base: Path, out: Path, py: str) -> None:
@@ -192,27 +199,38 @@ def main(argv: Sequence[str] | None = None) -> int:
          f"{' (cached)' if base.get('cached') else ''}")
     convert(out / "base", out / "base_megatron", py)
 
-    default_dir = recipe_default_direction(recipe)
+    default = recipe_defaults(recipe)  # the headline tg run's (direction, expert)
+
+    def variant(direction: str, expert: str) -> list[RunSpec]:
+        """One tg run per seed; seed 0 of the recipe's own setting is the headline run."""
+        return [RunSpec("tg" if ((direction, expert) == default and s == 0) else
+                        f"tg-{direction}-{expert}-s{s}", "tg", s, direction, expert) for s in plan.seeds]
+
     specs = [RunSpec(m, m, 0) for m in METHODS]
     variants: dict[str, list[str]] = {}
-    if plan.compare:
+    if plan.compare:  # first the directions with the paper's shared expert
         for d in DIRECTIONS:
-            variants[d] = ["tg" if (d == default_dir and s == 0) else f"tg-{d}-s{s}" for s in plan.seeds]
-            specs += [RunSpec(n, "tg", s, d) for n, s in zip(variants[d], plan.seeds) if n != "tg"]
+            runs = variant(d, "shared")
+            variants[d] = [r.name for r in runs]
+            specs += [r for r in runs if r.name != "tg"]
     _log(f"{len(specs)} RL runs of {plan.steps} steps, {a.jobs} at a time")
     dirs = run_all(specs, out, plan, py, recipe, a.jobs)
 
     comparison = None
-    if plan.compare:
+    if plan.compare:  # then the EMA expert for the best direction
         per = {d: R.aggregate([R.summarize_run(dirs[n], plan.last) for n in names])
                for d, names in variants.items()}
         winner = max(DIRECTIONS, key=lambda d: (per[d]["criterion_rate"] + per[d]["pass_rate"]))
-        ema = [RunSpec(f"tg-{winner}-ema-s{s}", "tg", s, winner, expert="ema") for s in plan.seeds]
-        dirs.update(run_all(ema, out, plan, py, recipe, a.jobs))
-        variants[f"{winner}+ema"] = [s.name for s in ema]
-        per[f"{winner}+ema"] = R.aggregate([R.summarize_run(dirs[s.name], plan.last) for s in ema])
-        comparison = {"default": default_dir, "winner": winner,
-                      "winner_rule": "highest mean final (criterion rate + pass rate) over seeds",
+        ema = variant(winner, "ema")
+        dirs.update(run_all([r for r in ema if r.name != "tg"], out, plan, py, recipe, a.jobs))
+        variants[f"{winner}+ema"] = [r.name for r in ema]
+        per[f"{winner}+ema"] = R.aggregate([R.summarize_run(dirs[r.name], plan.last) for r in ema])
+        comparison = {"default": {"kl_direction": default[0], "expert": default[1]},
+                      "winner": winner,
+                      "winner_rule": "highest mean final (criterion rate + pass rate) over seeds, "
+                                     "shared expert",
+                      "variants_note": "reverse / forward / jsd: shared expert (the paper's); "
+                                       "X+ema: the EMA expert",
                       "seeds": list(plan.seeds), "variants": per,
                       "runs": {k: [str(dirs[n].relative_to(out)) for n in v] for k, v in variants.items()}}
 
@@ -220,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for m in METHODS:
         methods[m] = {**R.summarize_run(dirs[m], plan.last), "base_criterion_rate": base["new_format_no_hint"],
                       "base_pass_rate": base["success_no_hint"], "run": str(dirs[m].relative_to(out))}
-    methods["tg"]["kl_direction"] = default_dir
+    methods["tg"]["kl_direction"], methods["tg"]["expert"] = default
     wall = time.perf_counter() - t_start
     summary: dict[str, Any] = {
         "methods": methods, "steps": plan.steps, "wall_seconds": round(wall, 1),
@@ -242,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if comparison is not None:
         print()
         print(R.directions_table(comparison["variants"]))
-        print(f"recipe default: {default_dir}; best measured: {comparison['winner']}")
+        print(f"recipe default (the tg row): {default[0]} KL, {default[1]} expert; best direction "
+              f"with the shared expert: {comparison['winner']}")
     print()
     for k, v in summary["targets"].items():
         print(f"target {k:<36} {'met   ' if v['met'] else 'MISSED'} (measured {v['measured']:.3f})")

@@ -107,11 +107,13 @@ def methods_table(methods: Mapping[str, Mapping[str, Any]], last: int) -> str:
 
 
 def directions_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
-    lines = ["KL direction / expert comparison (final rates: mean ± std across seeds)",
+    lines = ["KL direction / expert comparison (final rates: mean ± std across seeds; "
+             "expert probe: the expert's own new-format rate with the hint, lowest per seed)",
              f"{'variant':<16} {'seeds':>5} {'new format':>16} {'task':>16} {'steps to 0.8':>18}"
              f" {'collapsed':>9} {'recovered':>9} {'expert probe min':>17}"]
     for name, v in variants.items():
         steps = ",".join("-" if s is None else str(s) for s in v["steps_to_0.8"])
+        name = name if "+" in name else f"{name}+shared"
         lines.append(f"{name:<16} {v['seeds']:>5} {_pm(v['criterion_rate'], v['criterion_rate_std']):>16} "
                      f"{_pm(v['pass_rate'], v['pass_rate_std']):>16} {steps:>18} "
                      f"{v['collapsed_runs']:>7}/{v['seeds']} {v['recovered_runs']:>7}/{v['seeds']} "
