@@ -66,8 +66,11 @@ class RolloutConfig:
     """Seed every generation request: request seed = hash(sampling_seed, prompt position,
     rollout index in the group, turn, piece), sent as SGLang's ``sampling_params.sampling_seed``.
     The same weights then sample the same tokens whatever the timing, so a run killed and
-    resumed from a checkpoint regenerates exactly what the uninterrupted run saw. None: the
-    engines' own RNG (faster on SGLang, which batches seeded requests less well)."""
+    resumed from a checkpoint regenerates exactly what the uninterrupted run saw (with
+    max_staleness=0; with asynchrony, timing decides which weights sample which prompt). The
+    embedded engine honours it exactly; SGLang reproduces seeded samples across batch
+    compositions only in its deterministic-inference mode (batch-invariant kernels, slower).
+    None: the engines' own RNG."""
 
     stale_policy: str = "drop"
     """What happens to a group older than max_staleness: "drop" it (counted as dropped/stale) or
