@@ -1,0 +1,104 @@
+"""GPU twins of the model checks in ``test_batching.py``, on the Transformer-Engine spec.
+
+What only a GPU can check: Transformer Engine's attention honours the trainer's masks. The
+TE spec is built with ``attn_mask_type=arbitrary`` (``megatron_tg.models.qwen3_moe.model``)
+because TE ignores the mask of a ``causal`` attention: packed rows would attend across
+sequences, and the expert's prefix-reuse pass (more keys than queries) would be wrong.
+
+1. packed rows (block-diagonal causal mask) give each sequence's plain forward log-probs;
+2. the prefix-reuse expert pass gives the full expert pass's logits at the gated rows.
+
+CPU twins: ``test_packed_and_unpacked_logprobs_equal_plain_forward`` and
+``test_prefix_reuse_expert_equals_the_full_expert_pass`` (same code, local spec, gloo).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from megatron_tg.config.objective import ObjectiveConfig
+from megatron_tg.testing.distributed import run_distributed
+from tests.train.common import tiny_policy
+from tests.train.test_batching import _samples
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                       reason="needs transformer-engine (the GPU extra)"),
+]
+
+
+def _rank_fn(rank, world, state, hf_cfg, samples, tok_dir, dtype_name):
+    from transformers import AutoTokenizer
+
+    from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
+    from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
+    from megatron_tg.parallel.state import init_parallel
+    from megatron_tg.train.batching import build_micro_batch, pack
+    from megatron_tg.train.policy import forward_hidden, unwrap
+    from megatron_tg.train.prefix_kv import record_kv, reuse_kv
+    from megatron_tg.train.step import expert_hidden_states
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    ctx = init_parallel()
+    dev = ctx.device
+    arch = Qwen3Arch.from_hf(hf_cfg)
+    dtype = getattr(torch, dtype_name)
+    model = build_model(arch, params_dtype=dtype, use_te=True).to(dev)
+    load_hf_weights(model, state, arch, current_layout())
+    model.eval()
+
+    def run(rows):
+        with torch.no_grad():
+            return forward_hidden(model, rows.tokens.to(dev), rows.position_ids.to(dev),
+                                  rows.attention_mask.to(dev))
+
+    def logprobs(hidden, weight, ids):
+        lp = torch.log_softmax((hidden.float() @ weight.float().t())[:, :arch.vocab_size], -1)
+        return lp[:-1].gather(1, torch.tensor(ids[1:], device=dev)[:, None]).squeeze(1).cpu()
+
+    seqs = [s.rollout.token_ids for s in samples]
+    longest = max(len(x) for x in seqs)
+    out = {"plain": [], "packed": []}
+    for ids in seqs:
+        rows = pack([ids], len(ids))
+        o = run(rows)
+        out["plain"].append(logprobs(o.hidden[0, :len(ids)], o.output_weight, ids))
+    rows = pack(seqs, sum(len(x) for x in seqs))
+    o = run(rows)
+    flat = o.hidden.reshape(-1, o.hidden.shape[-1])
+    for k, ids in enumerate(seqs):
+        idx = torch.tensor([rows.flat(k, p) for p in range(len(ids))], device=dev)
+        out["packed"].append(logprobs(flat[idx], o.output_weight, ids))
+
+    cfg = ObjectiveConfig(mode="tg")
+    full = build_micro_batch(samples, tok, cfg, row_tokens=2 * longest)
+    full.expert.tokens, full.expert.position_ids = full.expert.tokens.to(dev), full.expert.position_ids.to(dev)
+    full.expert.attention_mask, full.expert_rows = full.expert.attention_mask.to(dev), full.expert_rows.to(dev)
+    eh, ew = expert_hidden_states(model, full)
+    out["expert_full"] = (eh.float() @ ew.float().t()).cpu()
+    mb = build_micro_batch(samples, tok, cfg, row_tokens=2 * longest, prefix_reuse=True)
+    gpt = unwrap(model)
+    with torch.no_grad():
+        with record_kv(gpt) as store:
+            run(mb.student)
+        with reuse_kv(gpt, store, mb.expert_prefix):
+            o = run(mb.expert)
+    rows_h = o.hidden.reshape(-1, o.hidden.shape[-1])[mb.expert_rows.to(dev)]
+    out["expert_reuse"] = (rows_h.float() @ o.output_weight.float().t()).cpu()
+    return out
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 1e-1)])
+def test_te_spec_honours_packing_masks_and_prefix_reuse(dtype, tol):
+    tok, hf_cfg, state = tiny_policy()
+    samples, _ = _samples(tok)
+    out = run_distributed(_rank_fn, 1, state, hf_cfg, samples, tok.name_or_path, dtype,
+                          timeout=600)[0]
+    for k, (packed, plain) in enumerate(zip(out["packed"], out["plain"])):
+        torch.testing.assert_close(packed, plain, atol=tol, rtol=tol, msg=f"rollout {k}")
+    torch.testing.assert_close(out["expert_reuse"], out["expert_full"], atol=tol, rtol=tol)
