@@ -1,4 +1,4 @@
-"""The quick demo base model, built once per test session (~55 s of CPU) and shared by the
+"""The quick demo base model, built once per test run (~55 s of CPU) and shared by the
 base-model tests and the demo's end-to-end test."""
 
 from __future__ import annotations

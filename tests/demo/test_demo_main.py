@@ -101,7 +101,7 @@ def test_summaries_final_rates_threshold_and_collapse(tmp_path):
 def test_quick_demo_end_to_end(quick_base, tmp_path):
     base_dir, base = quick_base
     out = tmp_path / "demo"
-    shutil.copytree(base_dir, out / "base")  # the session's quick build: reused by hash
+    shutil.copytree(base_dir, out / "base")  # the shared quick build: reused by hash
     res = subprocess.run([sys.executable, "-m", "megatron_tg.demo", "--quick", "--out", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
