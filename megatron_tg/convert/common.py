@@ -187,3 +187,31 @@ def quiet_megatron():
     with warnings.catch_warnings():
         silence_known_warnings()
         yield
+
+
+# ------------------------------------------------------------------------------- CLI pieces
+def add_layout_arguments(parser, role: str) -> None:
+    """``--tp/--ep/--pp/--etp``: the parallel layout a converter writes (or reads) at."""
+    for flag, axis in (("tp", "tensor"), ("ep", "expert"), ("pp", "pipeline")):
+        parser.add_argument(f"--{flag}", type=int, default=1, help=f"{axis}-parallel size {role}")
+    parser.add_argument("--etp", type=int, default=None,
+                        help="expert tensor-parallel size (default: --tp)")
+
+
+def run_reporting(convert) -> int:
+    """Run ``convert()``; print its result's summary (exit 0), or a named input error to
+    stderr (exit 2). ``convert`` may return None when it printed its own output."""
+    import sys
+
+    from megatron_tg.models.qwen3_moe.config import UnsupportedConfigError
+    from megatron_tg.models.qwen3_moe.mapping import MappingError
+    from megatron_tg.parallel.dims import LayoutError
+
+    try:
+        result = convert()
+    except (ConversionError, UnsupportedConfigError, MappingError, LayoutError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if result is not None:
+        print(result.summary)
+    return 0

@@ -32,9 +32,11 @@ from megatron_tg.convert.common import (
     HF_CONFIG_SUBDIR,
     ConversionError,
     MemoryTracker,
+    add_layout_arguments,
     dtype_from_name,
     dtype_name,
     quiet_megatron,
+    run_reporting,
     summary_line,
 )
 from megatron_tg.convert.hf_io import HFCheckpoint, LazyReader, copy_side_files
@@ -202,11 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF model dir: config.json + model.safetensors or a sharded "
                              "model.safetensors.index.json (with --dry-run: config.json only)")
     parser.add_argument("--out-dir", help="megatron checkpoint dir to create")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the writer")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of the writer")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the writer")
-    parser.add_argument("--etp", type=int, default=None,
-                        help="expert tensor-parallel size (default: --tp)")
+    add_layout_arguments(parser, "of the writer")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an output dir that already holds files")
     parser.add_argument("--dry-run", action="store_true",
@@ -215,26 +213,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_tg.models.qwen3_moe.config import UnsupportedConfigError
-    from megatron_tg.models.qwen3_moe.mapping import MappingError
-    from megatron_tg.parallel.dims import LayoutError
-
-    try:
+    def convert():
         if args.dry_run:
             from megatron_tg.convert.plan import print_plan
 
             print_plan(args.hf_dir, tp=args.tp, ep=args.ep, pp=args.pp, etp=args.etp)
-            return 0
+            return None
         if not args.out_dir:
             raise ConversionError("--out-dir is required (unless --dry-run)")
-        result = convert_hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, ep=args.ep,
-                                        pp=args.pp, etp=args.etp, overwrite=args.overwrite,
-                                        progress=not args.no_progress)
-    except (ConversionError, UnsupportedConfigError, MappingError, LayoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(result.summary)
-    return 0
+        return convert_hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, ep=args.ep,
+                                      pp=args.pp, etp=args.etp, overwrite=args.overwrite,
+                                      progress=not args.no_progress)
+
+    return run_reporting(convert)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +30,14 @@ from megatron_tg.convert.common import (
     HF_CONFIG_SUBDIR,
     ConversionError,
     MemoryTracker,
+    add_layout_arguments,
     config_dtype,
     dtype_from_name,
     dtype_name,
     name_list,
     parse_size,
     quiet_megatron,
+    run_reporting,
     summary_line,
 )
 from megatron_tg.convert.hf_io import (
@@ -295,11 +296,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-config-dir", default=None,
                         help="take config.json / tokenizer files from here (default: the copy "
                              "the HF -> megatron converter stored in the checkpoint)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to read at")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size to read at")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to read at")
-    parser.add_argument("--etp", type=int, default=None,
-                        help="expert tensor-parallel size (default: --tp)")
+    add_layout_arguments(parser, "to read at")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="cap per safetensors file, e.g. 5GB, 500MB (default 5GB)")
     parser.add_argument("--overwrite", action="store_true",
@@ -308,21 +305,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_tg.models.qwen3_moe.config import UnsupportedConfigError
-    from megatron_tg.models.qwen3_moe.mapping import MappingError
-    from megatron_tg.parallel.dims import LayoutError
-
-    try:
-        result = convert_megatron_to_hf(args.megatron_dir, args.out_dir,
-                                        hf_config_dir=args.hf_config_dir, tp=args.tp,
-                                        ep=args.ep, pp=args.pp, etp=args.etp,
-                                        max_shard_size=args.max_shard_size,
-                                        overwrite=args.overwrite, progress=not args.no_progress)
-    except (ConversionError, UnsupportedConfigError, MappingError, LayoutError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(result.summary)
-    return 0
+    return run_reporting(lambda: convert_megatron_to_hf(
+        args.megatron_dir, args.out_dir, hf_config_dir=args.hf_config_dir, tp=args.tp,
+        ep=args.ep, pp=args.pp, etp=args.etp, max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite, progress=not args.no_progress))
 
 
 def main(argv: list[str] | None = None) -> int:

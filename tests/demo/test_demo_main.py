@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from megatron_tg.chat.tokenizer import get_tiny_tokenizer
-from megatron_tg.demo import base_model as B
 from megatron_tg.demo import report as R
 from megatron_tg.demo import task as T
 from megatron_tg.demo.agent import DemoAgent
