@@ -78,28 +78,43 @@ class _Store:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.plan: PrefixPlan | None = None
+        self._ready: tuple | None = None  # the plan on the keys' device, with its RoPE tables
 
-    def prefix(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's prefix keys (re-rotated) and values, ``[P, B_e, groups, head_dim]``."""
-        plan = self.plan
+    def _prepared(self, device: torch.device):
+        """(src, cos, sin, mask) on ``device``: built once per expert pass, shared by all
+        layers (the shifts, hence the rotation tables, are the same in every layer)."""
+        if self._ready is None or self._ready[0].device != device:
+            plan = self.plan
+            ang = plan.shift.to(device, torch.float32)[..., None] * self.inv_freq.to(device)
+            ang = torch.cat((ang, ang), dim=-1)[:, :, None, :]      # [B_e, P, 1, rot]
+            self._ready = (plan.src.to(device), ang.cos(), ang.sin(), plan.mask.to(device))
+        return self._ready
+
+    def prefix(self, layer: int, like: torch.Tensor):
+        """This layer's prefix keys (re-rotated) and values, ``[P, B_e, groups, head_dim]``,
+        and the attention mask over [prefix ; suffix] keys."""
         k, v = self.keys[layer], self.values[layer]   # [S_s, B_s, g, d]
+        src, cos, sin, mask = self._prepared(k.device)
         flat_k = k.transpose(0, 1).reshape(-1, *k.shape[2:])
         flat_v = v.transpose(0, 1).reshape(-1, *v.shape[2:])
-        pk = flat_k[plan.src.to(k.device)]                 # [B_e, P, g, d]
-        pv = flat_v[plan.src.to(k.device)]
-        pk = _rotate(pk, plan.shift.to(k.device), self.inv_freq.to(k.device))
+        pk = _rotate(flat_k[src], cos, sin)                     # [B_e, P, g, d]
+        pv = flat_v[src]
         return (pk.transpose(0, 1).to(like.dtype).contiguous(),
-                pv.transpose(0, 1).to(like.dtype).contiguous())
+                pv.transpose(0, 1).to(like.dtype).contiguous(), mask)
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.values.clear()
+        self.plan, self._ready = None, None
 
 
-def _rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate already-rotated keys ``x`` [B, P, g, d] by ``shift`` [B, P] more positions."""
-    rot = 2 * inv_freq.numel()
-    ang = shift.to(torch.float32)[..., None] * inv_freq          # [B, P, rot/2]
-    ang = torch.cat((ang, ang), dim=-1)[:, :, None, :]           # [B, P, 1, rot]
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate already-rotated keys ``x`` [B, P, g, d] further: ``cos``/``sin`` [B, P, 1, rot]
+    are the tables of each key's extra shift (non-interleaved RoPE, megatron's layout)."""
+    rot = cos.shape[-1]
     t, rest = x[..., :rot].float(), x[..., rot:]
     t1, t2 = t.chunk(2, dim=-1)
-    out = t * ang.cos() + torch.cat((-t2, t1), dim=-1) * ang.sin()
+    out = t * cos + torch.cat((-t2, t1), dim=-1) * sin
     return torch.cat((out.to(x.dtype), rest), dim=-1)
 
 
@@ -115,9 +130,8 @@ class _Attend(torch.nn.Module):
             self.store.keys[self.layer] = key.detach()
             self.store.values[self.layer] = value.detach()
             return self.inner(query, key, value, attention_mask, **kwargs)
-        pk, pv = self.store.prefix(self.layer, key)
-        return self.inner(query, torch.cat((pk, key)), torch.cat((pv, value)),
-                          self.store.plan.mask.to(query.device), **kwargs)
+        pk, pv, mask = self.store.prefix(self.layer, key)
+        return self.inner(query, torch.cat((pk, key)), torch.cat((pv, value)), mask, **kwargs)
 
 
 def _attentions(gpt) -> list[torch.nn.Module]:
@@ -156,6 +170,4 @@ def reuse_kv(gpt, store: _Store, plan: PrefixPlan) -> Iterator[_Store]:
         with _swapped(gpt, store, "reuse"):
             yield store
     finally:
-        store.keys.clear()
-        store.values.clear()
-        store.plan = None
+        store.clear()

@@ -74,8 +74,7 @@ def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBa
                                      mb.expert.attention_mask)
                 expert_hidden = select_rows(out.hidden, mb.expert_rows).detach()
         else:
-            store.keys.clear()
-            store.values.clear()
+            store.clear()
             # Same pass order on every EP rank: each MoE all-to-all of the student pass must
             # meet the other ranks' student pass, or backward pairs mismatched splits.
             expert_hidden_states(model, replace(mb, expert=None), lockstep=expert_lockstep)
