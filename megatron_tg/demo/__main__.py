@@ -24,6 +24,7 @@ The command reports the issue's targets as measured and exits 0 whether they are
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -115,13 +116,30 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_one(spec: RunSpec, out: Path, plan: Plan, py: str, recipe: Path) -> Path:
+def _identity(spec: RunSpec, plan: Plan, inputs: dict[str, str]) -> dict[str, Any]:
+    """What makes a finished run reusable: its overrides, length, probe, base model build
+    and recipe text. Anything else changed: the run is redone."""
+    return {"overrides": spec.overrides(), "steps": plan.steps,
+            "probe_every": plan.probe_every if spec.mode == "tg" else 0, **inputs}
+
+
+def _finished(done: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(done.read_text())
+    except (OSError, ValueError):  # absent, or cut by a kill: not finished
+        return None
+
+
+def run_one(spec: RunSpec, out: Path, plan: Plan, py: str, recipe: Path,
+            inputs: dict[str, str]) -> Path:
     """One RL run as its own process (its own gloo world, engine and port); returns its dir."""
     from megatron_tg.rollout.engine.launch import free_port
 
     run_dir = out / "runs" / spec.name
     done = run_dir / "done.json"
-    if done.exists() and json.loads(done.read_text()).get("overrides") == spec.overrides() + [f"steps={plan.steps}"]:
+    ident = _identity(spec, plan, inputs)
+    prev = _finished(done)
+    if prev is not None and prev.get("identity") == ident:
         _log(f"{spec.name}: reusing the finished run in {run_dir}")
         return run_dir
     if run_dir.exists():
@@ -142,17 +160,25 @@ def run_one(spec: RunSpec, out: Path, plan: Plan, py: str, recipe: Path) -> Path
         tail = (run_dir / "stdout.log").read_text()[-3000:]
         raise RuntimeError(f"run {spec.name} failed with exit code {code}; its log ends:\n{tail}")
     secs = time.perf_counter() - t0
-    done.write_text(json.dumps({"overrides": spec.overrides() + [f"steps={plan.steps}"],
-                                "seconds": round(secs, 1)}) + "\n")
+    _write_atomic(done, json.dumps({"identity": ident, "seconds": round(secs, 1)}) + "\n")
     s = R.summarize_run(run_dir, plan.last)
     _log(f"{spec.name}: {secs:.0f} s, new format {s['criterion_rate']:.3f}, task {s['pass_rate']:.3f}"
          f"{', COLLAPSED' if s['collapsed'] else ''}")
     return run_dir
 
 
-def run_all(specs: Sequence[RunSpec], out: Path, plan: Plan, py: str, recipe: Path, jobs: int) -> dict[str, Path]:
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futs = {s.name: pool.submit(run_one, s, out, plan, py, recipe) for s in specs}
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def run_all(specs: Sequence[RunSpec], out: Path, plan: Plan, py: str, recipe: Path, jobs: int,
+            inputs: dict[str, str]) -> dict[str, Path]:
+    """Run ``specs``, ``jobs`` at a time; the first failure is raised once all have ended
+    (finished runs stay reusable)."""
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futs = {s.name: pool.submit(run_one, s, out, plan, py, recipe, inputs) for s in specs}
         return {name: f.result() for name, f in futs.items()}
 
 
@@ -174,7 +200,8 @@ def targets(methods: dict[str, Any], wall: float, quick: bool) -> dict[str, Any]
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_tg.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="runs/demo", help="output directory (reused: finished runs are kept)")
+    ap.add_argument("--out", default="runs/demo", help="output directory (reused: a finished run with the same settings, base model and "
+                         "recipe is kept)")
     ap.add_argument("--quick", action="store_true", help="CI-sized: quick base, fewer steps, no comparison")
     ap.add_argument("--steps", type=int, help="RL steps per run (default: 30 full, 25 quick)")
     ap.add_argument("--seeds", type=int, help="seeds per KL-direction variant (default 3)")
@@ -182,6 +209,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="RL runs at a time (default 2: one per core)")
     ap.add_argument("--recipe", default=str(RECIPE), help="the RL recipe (default recipes/demo_cpu.yaml)")
     a = ap.parse_args(argv)
+    for name, value, least in (("--steps", a.steps, 3), ("--seeds", a.seeds, 1), ("--jobs", a.jobs, 1)):
+        if value is not None and value < least:
+            ap.error(f"{name} must be at least {least}, got {value}")
+    if not Path(a.recipe).is_file():
+        ap.error(f"--recipe {a.recipe}: no such file")
+    try:
+        return _main(a)
+    except RuntimeError as exc:  # a conversion or an RL run failed: its log tail is in the message
+        print(f"demo: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _main(a: argparse.Namespace) -> int:
     plan = QUICK if a.quick else FULL
     if a.steps is not None:
         plan = Plan(**{**plan.__dict__, "steps": a.steps})
@@ -200,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     convert(out / "base", out / "base_megatron", py)
 
     default = recipe_defaults(recipe)  # the headline tg run's (direction, expert)
+    inputs = {"base_build": base["build_hash"],
+              "recipe_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest()}
 
     def variant(direction: str, expert: str) -> list[RunSpec]:
         """One tg run per seed; seed 0 of the recipe's own setting is the headline run."""
@@ -214,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             variants[d] = [r.name for r in runs]
             specs += [r for r in runs if r.name != "tg"]
     _log(f"{len(specs)} RL runs of {plan.steps} steps, {a.jobs} at a time")
-    dirs = run_all(specs, out, plan, py, recipe, a.jobs)
+    dirs = run_all(specs, out, plan, py, recipe, a.jobs, inputs)
 
     comparison = None
     if plan.compare:  # then the EMA expert for the best direction
@@ -222,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                for d, names in variants.items()}
         winner = max(DIRECTIONS, key=lambda d: (per[d]["criterion_rate"] + per[d]["pass_rate"]))
         ema = variant(winner, "ema")
-        dirs.update(run_all([r for r in ema if r.name != "tg"], out, plan, py, recipe, a.jobs))
+        dirs.update(run_all([r for r in ema if r.name != "tg"], out, plan, py, recipe, a.jobs, inputs))
         variants[f"{winner}+ema"] = [r.name for r in ema]
         per[f"{winner}+ema"] = R.aggregate([R.summarize_run(dirs[r.name], plan.last) for r in ema])
         comparison = {"default": {"kl_direction": default[0], "expert": default[1]},
@@ -251,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if comparison is not None:
         summary["kl_directions"] = comparison
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     png = R.plot(out / "curves.png", {m: dirs[m] for m in METHODS},
                  {k: [dirs[n] for n in v] for k, v in variants.items()} if comparison else None)
 

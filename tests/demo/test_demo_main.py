@@ -122,3 +122,34 @@ def test_quick_demo_end_to_end(quick_base, tmp_path):
     assert (out / "base_megatron" / "metadata.json").exists()
     rows = [json.loads(x) for x in (out / "runs" / "tg" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 25 and all(r["sync/tensors"] > 0 for r in rows)
+
+
+def test_finished_runs_are_reused_only_with_the_same_inputs(tmp_path):
+    from megatron_tg.demo import __main__ as D
+
+    plan, spec = D.QUICK, D.RunSpec("tg", "tg", 0)
+    inputs = {"base_build": "abc", "recipe_sha256": "123"}
+    run_dir = tmp_path / "runs" / "tg"
+    run_dir.mkdir(parents=True)
+    (run_dir / "done.json").write_text(json.dumps({"identity": D._identity(spec, plan, inputs)}))
+    # same identity: reused, nothing is run (the "python" here would fail)
+    assert D.run_one(spec, tmp_path, plan, "/bin/false", D.RECIPE, inputs) == run_dir
+    # another base model build: the stale run is discarded and redone; a failing run is
+    # reported with its name and exit code, and leaves no done.json behind
+    with pytest.raises(RuntimeError, match="run tg failed with exit code 1"):
+        D.run_one(spec, tmp_path, plan, "/bin/false", D.RECIPE, {**inputs, "base_build": "xyz"})
+    assert not (run_dir / "done.json").exists()
+    # a done.json cut by a kill counts as unfinished
+    (run_dir / "done.json").write_text('{"identity": ')
+    assert D._finished(run_dir / "done.json") is None
+
+
+def test_main_rejects_bad_arguments(capsys):
+    from megatron_tg.demo import __main__ as D
+
+    for argv, msg in ((["--steps", "2"], "--steps must be at least 3"),
+                      (["--jobs", "0"], "--jobs must be at least 1"),
+                      (["--recipe", "missing.yaml"], "no such file")):
+        with pytest.raises(SystemExit) as exc:
+            D.main(argv)
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
