@@ -15,7 +15,7 @@ import asyncio
 import signal
 import socket
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist

@@ -21,6 +21,7 @@ Rewards and feedback (what the objective receives):
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import threading
 from dataclasses import replace
@@ -37,6 +38,8 @@ from megatron_tg.rollout.client import SGLangClient
 from megatron_tg.rollout.manager import RolloutGroup, RolloutManager
 from megatron_tg.rollout.types import Rollout
 from megatron_tg.train.batching import TrainSample
+
+log = logging.getLogger(__name__)
 
 
 def _covered_turns(rollout: Rollout, scope: str) -> list[int]:
@@ -171,10 +174,16 @@ class RolloutSide:
         return samples, metrics
 
     def probe_metrics(self, step: int) -> dict[str, float]:
+        """The probes due at ``step``. A probe is a measurement, not training: one that fails
+        (e.g. an engine error) is logged and counted in ``probe/errors``, and training goes on."""
         out: dict[str, float] = {}
         for every, fn in self.probes:
             if every > 0 and step % every == 0:
-                out.update(fn(step))
+                try:
+                    out.update(fn(step))
+                except Exception:
+                    log.warning("probe %r failed at step %d", fn, step, exc_info=True)
+                    out["probe/errors"] = out.get("probe/errors", 0.0) + 1.0
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -9,7 +9,6 @@ success, ``base_model.QUICK_EXPECTED`` — lower bounds under the rates measured
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest

@@ -72,3 +72,24 @@ def test_judge_errors_are_excluded_and_whole_lost_groups_reported(judged):
     samples, lost, metrics = judged_samples(groups, bad, rubric, cfg)
     assert [s.rollout.rollout_id for s in samples] == ["a", "b"]
     assert lost == ["g1"] and metrics["rollout/judge_errors"] == 2
+
+
+def test_probes_run_when_due_and_a_failing_probe_does_not_stop_training():
+    from megatron_tg.train.rollouts import RolloutSide
+
+    side = object.__new__(RolloutSide)  # probes need no engines
+    calls = []
+
+    def good(step):
+        calls.append(step)
+        return {"probe/x": float(step)}
+
+    def bad(step):
+        raise ConnectionError("engine gone")
+
+    side.probes = [(2, good), (3, bad)]
+    assert side.probe_metrics(1) == {}
+    assert side.probe_metrics(2) == {"probe/x": 2.0}
+    assert side.probe_metrics(3) == {"probe/errors": 1.0}
+    assert side.probe_metrics(6) == {"probe/x": 6.0, "probe/errors": 1.0}
+    assert calls == [2, 6]
