@@ -96,7 +96,7 @@ def test_router_url_with_admin_urls(engines):
         router = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         try:
             async with SGLangClient([router], admin_urls=[e.url for e in engines]) as c:
-                rs = await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 3}) for _ in range(4)))
+                rs = await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 3, "ignore_eos": True}) for _ in range(4)))
                 paused = await c.pause_generation(mode="in_place")
                 await c.continue_generation()
                 return rs, paused

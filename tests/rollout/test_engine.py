@@ -248,7 +248,7 @@ def test_pause_abort_mode_returns_partial_and_holds_new_requests(http_call, engi
     http_call(engine.url, "/pause_generation", {"mode": "abort"})
     t.join(10)
     assert box["out"]["meta_info"]["finish_reason"]["type"] == "abort"
-    t2, box2 = _run_in_thread(lambda: gen(http_call, engine, max_new_tokens=4))
+    t2, box2 = _run_in_thread(lambda: gen(http_call, engine, max_new_tokens=4, ignore_eos=True))
     time.sleep(0.4)
     assert t2.is_alive()  # queued while paused
     http_call(engine.url, "/continue_generation", {})
