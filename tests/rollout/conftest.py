@@ -8,14 +8,8 @@ far more than float noise; that makes "greedy equals HF greedy" a meaningful che
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest

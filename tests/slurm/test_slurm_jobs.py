@@ -195,7 +195,7 @@ def test_server_that_dies_is_named_with_host_and_log(slurm_cluster, tiny_job, tm
     text = log(tmp_path)
     assert info["JobState"] == "FAILED", text
     engine_log = tmp_path / "job" / "logs" / "engine0.log"
-    assert (f"engine engine0 on n2 (http://127.0.0.1:" in text and "exited before it became healthy"
+    assert ("engine engine0 on n2 (http://127.0.0.1:" in text and "exited before it became healthy"
             in text and f"log: {engine_log}" in text), text
     assert "failing on purpose" in text  # the log's tail is in the job log
     assert not launches(tmp_path)  # no trainer without its servers

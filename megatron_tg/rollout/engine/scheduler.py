@@ -132,9 +132,9 @@ class Scheduler:
                 self._fail_running(f"engine error: {exc}")
 
     def _fail_running(self, message: str) -> None:
-        for slot in self.running:
+        failed, self.running, self.batch, self.next_tokens = self.running, [], None, []
+        for slot in failed:
             self._finish(slot, finish_abort(message, status_code=500))
-        self.running, self.batch, self.next_tokens = [], None, []
 
     def _admittable(self) -> bool:
         return bool(self.waiting) and self.paused is None and not self._draining()
@@ -290,23 +290,27 @@ class Scheduler:
         return None
 
     def _retire(self) -> None:
-        """Remove finished / aborted rows from the running batch."""
-        keep = []
+        """Remove finished / aborted rows from the running batch, then answer their callers.
+
+        The batch is shrunk first so that a caller who has its answer never sees its own
+        request still counted in ``num_running`` (a client waiting for "running" would
+        mistake the old request for its next one).
+        """
+        keep, done = [], []
         for i, slot in enumerate(self.running):
             if slot.aborted:
-                self._finish(slot, finish_abort(slot.aborted))
+                done.append((slot, finish_abort(slot.aborted)))
             elif slot.req.finish_reason is not None:
-                self._finish(slot, slot.req.finish_reason)
+                done.append((slot, slot.req.finish_reason))
             else:
                 keep.append(i)
-        if len(keep) == len(self.running):
+        if not done:
             return
-        if keep:
-            self.batch = ModelRunner.select(self.batch, keep)
-        else:
-            self.batch = None
+        self.batch = ModelRunner.select(self.batch, keep) if keep else None
         self.running = [self.running[i] for i in keep]
         self.next_tokens = [self.next_tokens[i] for i in keep]
+        for slot, reason in done:
+            self._finish(slot, reason)
 
     def _finish(self, slot: _Slot, reason: dict) -> None:
         slot.req.finish_reason = reason
