@@ -19,6 +19,7 @@ call the engine under the :class:`~megatron_tg.rollout.manager.RolloutManager`:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -91,8 +92,6 @@ class TurnOutput:
 
 def request_seed(*parts: int) -> int:
     """A 31-bit sampling seed from integers (stable across processes and Python versions)."""
-    import hashlib
-
     digest = hashlib.sha256(":".join(str(int(x)) for x in parts).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 

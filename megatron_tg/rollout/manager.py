@@ -47,7 +47,8 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from megatron_tg.chat.framing import FramingError
 from megatron_tg.rollout.client import SGLangClientError
-from megatron_tg.rollout.context import request_seed, EngineError, MalformedOutputError, RolloutContext, VersionGate
+from megatron_tg.rollout.context import (EngineError, MalformedOutputError, RolloutContext, VersionGate,
+                                         request_seed)
 from megatron_tg.rollout.types import Rollout, RolloutFormatError
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ class RolloutManager:
         gid = f"{self._task_id(task, item.index)}@{item.index}" + (f".r{item.attempt}" if item.attempt else "")
         t0 = time.monotonic()
         start_version = self.version
-        base_seed = getattr(self.cfg, "sampling_seed", None)
+        base_seed = self.cfg.sampling_seed
         # Seeds depend on the data position and rollout index, not on the attempt: a group
         # regenerated on the same weights (after a resume) samples the same tokens.
         ctxs = [RolloutContext(self.client, task, group_id=gid, rollout_id=f"{gid}/{i}", index=i, gate=self.gate,

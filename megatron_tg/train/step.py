@@ -3,8 +3,9 @@
 Order matters: the expert forward runs first, under ``no_grad``, and only its hidden states
 at the gated rows are kept ([G, H]); its activations are freed before the student's forward
 builds the autograd graph. With prefix reuse (the shared expert) the student runs first and
-the expert pass covers only the suffixes (see :mod:`megatron_tg.train.prefix_kv`). Neither pass materialises logits: the fused vocab-parallel ops
-compute the output layer at the loss rows only, chunk by chunk.
+the expert pass covers only the suffixes (see :mod:`megatron_tg.train.prefix_kv`). Neither
+pass materialises logits: the fused vocab-parallel ops compute the output layer at the loss
+rows only, chunk by chunk.
 """
 
 from __future__ import annotations
