@@ -158,7 +158,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
     cfg = _load_config(hf_dir)
-    arch = Qwen3Arch.from_hf(cfg)                 # UnsupportedConfigError names the field
+    arch = Qwen3Arch.from_hf(cfg, source=str(hf_dir / "config.json"))  # names file + field
     layout = Layout(tp=tp, ep=ep, pp=pp, etp=etp)
     layout.dims(arch)                             # LayoutError names the sizes
     check_output_dir(out_dir, overwrite)          # before reading any tensor data

@@ -231,6 +231,31 @@ def _is_torch_dist(path: Path) -> bool:
     return meta.get("sharded_backend") == "torch_dist"
 
 
+def check_storage_files(dist_dir: Path) -> None:
+    """Refuse a torch_dist checkpoint whose ``.distcp`` files are shorter than its metadata
+    says (a truncated copy or an interrupted save), here in the parent, before any worker
+    reads a byte: otherwise the failure is an ``EOFError`` deep inside a worker."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(dist_dir)).read_metadata().storage_data or {}
+    except Exception as exc:  # noqa: BLE001 - any unreadable metadata is the same problem
+        raise ConversionError(f"{dist_dir}: unreadable checkpoint metadata (.metadata): "
+                              f"{type(exc).__name__}: {exc}") from None
+    need: dict[str, int] = {}
+    for info in storage.values():
+        end = int(info.offset) + int(info.length)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for rel, end in sorted(need.items()):
+        path = dist_dir / rel
+        if not path.exists():
+            raise ConversionError(f"{path}: missing (the checkpoint's metadata names it)")
+        size = path.stat().st_size
+        if size < end:
+            raise ConversionError(f"{path}: truncated: the checkpoint's metadata needs {end} "
+                                  f"bytes, the file has {size} ({end - size} missing)")
+
+
 def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
                            hf_config_dir: str | Path | None = None, tp: int = 1, ep: int = 1,
                            pp: int = 1, etp: int | None = None, max_shard_size: str | int = "5GB",
@@ -251,7 +276,7 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
         raise ConversionError(f"no config.json in {cfg_dir}" + ("" if hf_config_dir else
                               "; this checkpoint carries no HF config: pass --hf-config-dir"))
     cfg = load_hf_config_dict(cfg_dir)
-    arch = Qwen3Arch.from_hf(cfg)
+    arch = Qwen3Arch.from_hf(cfg, source=str(cfg_dir / "config.json"))
     if meta is not None:
         diff = arch_mismatch(arch, meta["architecture"])
         if diff:
@@ -263,6 +288,7 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
     with quiet_megatron():
         from megatron.core import dist_checkpointing
 
+    check_storage_files(dist_dir)
     stored = dist_checkpointing.load_tensors_metadata(str(dist_dir))
     dtype = dtype_from_name(meta["megatron_dtype"]) if meta else \
         next(v.dtype for k, v in stored.items() if k.startswith(MODEL_KEY_PREFIXES))
