@@ -97,9 +97,21 @@ def test_subcommand_help_shows_its_own_options():
 
 
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
-def test_registered_modules_provide_add_arguments_and_run(name):
-    module = importlib.import_module(SUBCOMMANDS[name].module)
-    assert callable(module.add_arguments) and callable(module.run)
+def test_every_subcommand_parses_its_own_options(name, capsys):
+    """``megatron-tg NAME --help`` builds NAME's parser from its module's add_arguments and
+    prints its description; the parsed command dispatches to that module's run."""
+    from megatron_tg import cli as cli_mod
+
+    with pytest.raises(SystemExit) as exit_:
+        cli_mod.main([name, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: megatron-tg {name}") and SUBCOMMANDS[name].help.split()[0] in out
+    parser = cli_mod.build_parser([name])
+    sub = next(a for a in parser._actions if a.dest == "command").choices[name]
+    options = [a for a in sub._actions if a.dest != "help"]
+    assert options, f"{name} registers no arguments"
+    assert sub.get_default("_run") is importlib.import_module(SUBCOMMANDS[name].module).run
 
 
 def test_console_script_is_installed_and_runs():

@@ -128,8 +128,10 @@ class ObjectiveConfig:
     criterion_weights: Dict[str, float] = field(default_factory=dict)
     """Reward weight λ_i per criterion name; R = Σ_i w_i R_i. Criteria not listed weigh 1.0."""
 
-    primary_criteria: List[str] = field(default_factory=lambda: ["tests_pass"])
-    """Criteria that always count in the reward. In mode "opsd" these are the only ones that do."""
+    primary_criteria: List[str] = field(default_factory=list)
+    """Criteria that always count in the reward (task success); in mode "opsd" the only ones
+    that do. Empty (the default): the rubric's ``primary: true`` criteria. Names given here
+    replace the rubric's flags and must be criteria of the rubric."""
 
     expert: str = "shared"
     """Weights the expert forward runs with: "shared" = the live policy (paper), "frozen" = the

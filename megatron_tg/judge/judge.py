@@ -141,6 +141,8 @@ def evaluate_rule(c: Criterion, transcript: Transcript, task: Any = None) -> tup
     if not turns:
         return False, [], "no assistant turn"
     if c.scope == "final_turn":
+        if not transcript.ended_by_agent:
+            return False, [], f"no final turn: the rollout ended by {transcript.finish_reason}"
         last = turns[-1]
         ok, why = c.checker(_turn_text(last, which, transcript), ctx(turn=last))
         return ok, ([] if ok else [last.index]), why
@@ -226,6 +228,11 @@ class Judge:
         res.llm_reply = raw
         for c in crits:
             v = verdicts[c.name]
+            if c.scope == "final_turn" and not tr.ended_by_agent:  # see rubric.py: no final turn
+                res.criteria[c.name] = CriterionResult(
+                    c.name, False, c.weight, c.primary, [], c.feedback,
+                    f"no final turn: the rollout ended by {tr.finish_reason}", v.feedback)
+                continue
             if v.passed:
                 turns = []
             elif c.scope in ("final_turn", "rollout"):

@@ -17,7 +17,10 @@
 
 Scopes and the turns a failure is attributed to (where feedback will be inserted):
 
-* ``final_turn``    — the last assistant turn is checked; fails at that turn.
+* ``final_turn``    — the last assistant turn is checked; fails at that turn. A rollout the
+  agent did not end itself (cut by the turn, token or time limit: its last turn may be a
+  tool call) has no final turn: the criterion fails with no turn attributed, so it costs
+  reward but no feedback is inserted before a turn that was not meant as the final one.
 * ``every_turn``    — each assistant turn is checked; fails at each turn that fails.
 * ``any_tool_call`` — each tool call is checked (no calls: vacuous pass); fails at each turn
   with a failing call.

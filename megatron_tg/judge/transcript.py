@@ -52,6 +52,13 @@ class Transcript:
     rollout_id: str = ""
     task_id: str = ""
     group_id: str = ""
+    finish_reason: str = "stop"
+    """How the rollout ended (:data:`megatron_tg.rollout.types.FINISH_REASONS`). Anything but
+    "stop" means the agent did not end on its own, so its last turn is not a final answer."""
+
+    @property
+    def ended_by_agent(self) -> bool:
+        return self.finish_reason == "stop"
 
     @property
     def last_turn(self) -> TurnView | None:
@@ -72,7 +79,7 @@ class Transcript:
             else:
                 blocks.append(Block(seg.kind, text))
         return cls(blocks, turns, dict(rollout.metadata), rollout.rollout_id, rollout.task_id,
-                   rollout.group_id)
+                   rollout.group_id, rollout.finish_reason)
 
     @classmethod
     def from_assistant_texts(cls, texts: Sequence[str], *, context: Sequence[str] | None = None,

@@ -46,7 +46,9 @@ def _covered_turns(rollout: Rollout, scope: str) -> list[int]:
     n = rollout.num_turns
     if n == 0:
         return []
-    if scope in ("final_turn", "rollout"):
+    if scope == "final_turn":  # a rollout cut by a limit has no final turn (judge/rubric.py)
+        return [n - 1] if rollout.finish_reason == "stop" else []
+    if scope == "rollout":
         return [n - 1]
     if scope == "any_tool_call":
         return [k for k, seg in enumerate(rollout.assistant_turns()) if seg.tool_calls]
@@ -65,13 +67,34 @@ def feedback_for(rollout: Rollout, result, rubric: Rubric, always: bool) -> dict
     return {k: "\n".join(v) for k, v in out.items()}
 
 
+def primary_criteria(obj, rubric: Rubric) -> list[str]:
+    """The task-success criteria: ``objective.primary_criteria`` if set, else the rubric's
+    ``primary: true`` criteria. A named criterion the rubric lacks is a config error (it
+    would silently weigh nothing), and mode "opsd", which rewards only these, needs one."""
+    from megatron_tg.config.base import ConfigError
+
+    names = [c.name for c in rubric.criteria]
+    if obj.primary_criteria:
+        unknown = [n for n in obj.primary_criteria if n not in names]
+        if unknown:
+            raise ConfigError(f"objective.primary_criteria: {unknown} are not criteria of the "
+                              f"rubric (it has {names}); got {list(obj.primary_criteria)}")
+        return list(obj.primary_criteria)
+    primary = [c.name for c in rubric.criteria if c.primary]
+    if not primary and obj.mode == "opsd":
+        raise ConfigError("objective.primary_criteria: mode 'opsd' rewards only the primary "
+                          f"criteria, and the rubric marks none primary (criteria: {names}); "
+                          "set objective.primary_criteria or a rubric criterion's primary: true")
+    return primary
+
+
 def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg: TGConfig
                    ) -> tuple[list[TrainSample], list[str], dict[str, float]]:
     """TrainSamples with group-relative advantages; ids of groups lost to judge errors; metrics."""
     names = [c.name for c in rubric.criteria]
     obj = cfg.objective
     weights = {**rubric.weights(), **dict(obj.criterion_weights)}
-    primary = list(obj.primary_criteria) or [c.name for c in rubric.criteria if c.primary]
+    primary = primary_criteria(obj, rubric)
     obj_cfg = replace(obj, criterion_weights=weights, primary_criteria=primary)
     always = not mode_switches(obj).failing_turns_only
     flat = [(g, ro, res) for g, rs in zip(groups, results) for ro, res in zip(g.rollouts, rs)]
@@ -98,7 +121,7 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     for i, n in enumerate(names):
         metrics[f"criteria/{n}"] = float(scores[:, i].mean())
     if primary:
-        idx = [names.index(n) for n in primary if n in names]
+        idx = [names.index(n) for n in primary]
         metrics["criteria/primary"] = float(scores[:, idx].min(dim=1).values.mean())
     metrics["reward/mean"] = float(rewards.mean())
     metrics["reward/std"] = float(rewards.std()) if len(ok) > 1 else 0.0
@@ -117,6 +140,7 @@ class RolloutSide:
                  rollout_metrics: Callable[[Sequence[Rollout]], dict[str, float]] | None = None
                  ) -> None:
         self.cfg, self.rubric = cfg, rubric
+        primary_criteria(cfg.objective, rubric)  # a bad name fails here, not at the first batch
         # Task-specific per-step metrics over every rollout of the batch (e.g. the demo's
         # episode verdicts), logged beside the judge's criteria.
         self.rollout_metrics = rollout_metrics
