@@ -1,7 +1,7 @@
 """megatron-core torch_dist checkpoint -> Hugging Face safetensors (``from_pretrained``-ready).
 
 Design:
-- ``world = pp * lcm(tp, ep * etp)`` gloo workers load the checkpoint at the requested
+- ``ParallelDims.smallest_world`` (``pp * lcm(tp, ep * etp)``) gloo workers load the checkpoint at the requested
   reading layout (megatron reshards on load). Before loading, every rank compares the
   tensor keys it will request with the checkpoint's and all ranks agree on one error
   naming missing / unexpected / misshapen tensors.
@@ -47,11 +47,12 @@ from megatron_tg.convert.hf_io import (
     copy_side_files,
     pack_files,
 )
-from megatron_tg.convert.hf_to_megatron import ConversionResult, Layout
+from megatron_tg.convert.hf_to_megatron import ConversionResult
 from megatron_tg.convert.launch import launch
 from megatron_tg.convert.metadata import arch_mismatch, read_metadata
 from megatron_tg.convert.outdir import check_output_dir, staged_output
 from megatron_tg.models.qwen3_moe.config import Qwen3Arch, load_hf_config_dict
+from megatron_tg.parallel.dims import ParallelDims
 
 # Checkpoint keys that belong to the model (a training checkpoint also holds optimizer.*,
 # rng_state, ... which export ignores).
@@ -63,7 +64,7 @@ class ExportJob:
     megatron_dir: str
     out_dir: str
     config: dict
-    layout: Layout
+    layout: ParallelDims
     dtype: str        # megatron params dtype
     hf_dtype: str     # dtype written to safetensors
     max_shard_bytes: int
@@ -144,10 +145,10 @@ def _export_worker(rank: int, world: int, job: ExportJob) -> dict[str, Any]:
     mem = MemoryTracker()
     t0 = time.perf_counter()
     lay = job.layout
-    init_parallel(tp=lay.tp, ep=lay.ep, pp=lay.pp, etp=lay.etp_)
+    init_parallel(lay)
     mem.mark_baseline()
     arch = Qwen3Arch.from_hf(job.config)
-    model = build_model(arch, tp=lay.tp, ep=lay.ep, pp=lay.pp, etp=lay.etp_,
+    model = build_model(arch, tp=lay.tp, ep=lay.ep, pp=lay.pp, etp=lay.etp,
                         params_dtype=dtype_from_name(job.dtype), perform_initialization=False,
                         vocab_pad_multiple=job.vocab_pad_multiple)
     with mem.watch():
@@ -282,8 +283,8 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
         if diff:
             raise ConversionError(f"{cfg_dir / 'config.json'} describes a different model than "
                                   f"the checkpoint: {'; '.join(diff)}")
-    layout = Layout(tp=tp, ep=ep, pp=pp, etp=etp)
-    layout.dims(arch)
+    layout = ParallelDims.smallest(tp=tp, ep=ep, pp=pp, etp=etp)
+    layout.check_arch(arch)
     check_output_dir(out_dir, overwrite)
     with quiet_megatron():
         from megatron.core import dist_checkpointing
@@ -299,7 +300,7 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
                       max_shard_bytes=parse_size(max_shard_size), vocab_pad_multiple=pad,
                       progress=progress)
     with staged_output(out_dir, overwrite) as tmp:
-        ranks = launch(_export_worker, layout.world, ExportJob(out_dir=str(tmp), **job_kwargs),
+        ranks = launch(_export_worker, layout.world_size, ExportJob(out_dir=str(tmp), **job_kwargs),
                        timeout_s=timeout_s)
         weight_map = ranks[0]["weight_map"]
         total = sum(r["bytes_written"] for r in ranks)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_tg.parallel.dims import ParallelDims
+
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3")
 
 
@@ -192,7 +194,7 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, cp: int = 1
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = (not torch.cuda.is_available()) if on_cpu is None else on_cpu
-    etp = tp if etp is None else etp  # megatron's default; see ParallelDims
+    etp = ParallelDims.resolve_etp(tp, etp)
     if sequence_parallel is None:
         # megatron requires SP for MoE with TP>1; it also saves activation memory for dense.
         sequence_parallel = tp > 1
