@@ -40,7 +40,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from megatron_tg.rollout.types import Rollout, Span
+from megatron_tg.rollout.types import FramingError, Rollout, Span  # noqa: F401 (re-exported)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -50,10 +50,6 @@ EXPERT_MODES = ("shared", "exact")
 # Neutral context used to render a message in isolation; only text diffs against it are used.
 _DUMMY_USER = {"role": "user", "content": "x"}
 _DUMMY_ASSISTANT = {"role": "assistant", "content": "y"}
-
-
-class FramingError(ValueError):
-    """The conversation / template / tokens do not line up as the framing requires."""
 
 
 # ---------------------------------------------------------------------- rendering primitives
