@@ -9,6 +9,7 @@ from megatron_tg.config.base import ConfigError, check_choice, check_range
 
 ENGINES = ("embedded", "sglang")
 SANDBOXES = ("bwrap", "none")
+TOOL_CALL_READINGS = ("strict", "sglang")  # megatron_tg.chat.tool_reading.READINGS
 STALE_POLICIES = ("drop", "regenerate")
 PAUSE_MODES = ("in_place", "retract", "abort")
 
@@ -98,6 +99,13 @@ class RolloutConfig:
     allow_unsandboxed: bool = False
     """Explicit consent to ``sandbox=none``; model-written code then runs with your permissions."""
 
+    tool_call_reading: str = "strict"
+    """How the harness (which executes calls) and the judge (which grades them) read the
+    model's Qwen3-Coder XML tool calls: "strict" = only calls every parser reads the same way
+    (ambiguous or unterminated ones are errors, never rewarded); "sglang" = SGLang's own
+    qwen3_coder detector, exactly what an SGLang deployment executes (needs sglang installed).
+    See megatron_tg/chat/tool_reading.py for the three inputs on which they differ."""
+
     tool_timeout_s: float = 30.0
     """Wall-clock limit of one run_shell / run_tests call; also its CPU-seconds limit."""
 
@@ -130,6 +138,7 @@ class RolloutConfig:
     def validate(self) -> None:
         check_choice("rollout.engine", self.engine, ENGINES)
         check_choice("rollout.sandbox", self.sandbox, SANDBOXES)
+        check_choice("rollout.tool_call_reading", self.tool_call_reading, TOOL_CALL_READINGS)
         check_choice("rollout.stale_policy", self.stale_policy, STALE_POLICIES)
         check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
         check_range("rollout.max_inflight_rollouts", self.max_inflight_rollouts, ge=0)

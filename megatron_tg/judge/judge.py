@@ -173,7 +173,7 @@ class Judge:
     """
 
     def __init__(self, rubric: Rubric, tokenizer=None, llm: LLMJudgeClient | None = None,
-                 feedback_source: str = "static"):
+                 feedback_source: str = "static", tool_call_reading: str = "strict"):
         if feedback_source not in FEEDBACK_SOURCES:
             raise ValueError(f"feedback_source must be one of {FEEDBACK_SOURCES}")
         if rubric.llm_criteria() and llm is None:
@@ -181,13 +181,14 @@ class Judge:
                              f"{[c.name for c in rubric.llm_criteria()]} but no LLM client was given")
         self.rubric, self.tokenizer, self.llm = rubric, tokenizer, llm
         self.feedback_source = feedback_source
+        self.tool_call_reading = tool_call_reading  # the harness's reading (rollout.tool_call_reading)
 
     def transcript(self, item: Rollout | Transcript) -> Transcript:
         if isinstance(item, Transcript):
             return item
         if self.tokenizer is None:
             raise ValueError("judging a Rollout needs the tokenizer (to decode its tokens)")
-        return Transcript.from_rollout(item, self.tokenizer)
+        return Transcript.from_rollout(item, self.tokenizer, self.tool_call_reading)
 
     async def judge(self, item: Rollout | Transcript, task_info: Any = None) -> JudgeResult:
         tr = self.transcript(item)

@@ -65,14 +65,16 @@ class Transcript:
         return self.turns[-1] if self.turns else None
 
     @classmethod
-    def from_rollout(cls, rollout: Rollout, tokenizer) -> "Transcript":
+    def from_rollout(cls, rollout: Rollout, tokenizer, reading: str = "strict") -> "Transcript":
+        """``reading``: how tool calls are read (:mod:`megatron_tg.chat.tool_reading`); the
+        harness that ran the rollout must have read them the same way."""
         blocks: list[Block] = []
         turns: list[TurnView] = []
         eos = tokenizer.eos_token
         for seg in rollout.segments:
             text = tokenizer.decode(rollout.token_ids[seg.start:seg.end], skip_special_tokens=False)
             if seg.kind == "assistant":
-                parsed = parse_assistant(text, stop_tokens=(eos,) if eos else ())
+                parsed = parse_assistant(text, stop_tokens=(eos,) if eos else (), reading=reading)
                 raw = text[: -len(eos)] if eos and text.endswith(eos) else text
                 turns.append(TurnView(len(turns), raw, parsed))
                 blocks.append(Block("assistant", raw, turns[-1].index))

@@ -172,7 +172,7 @@ class RolloutSide:
                                        max_retries=r.max_retries)
         self.manager = RolloutManager(self.client, rollout_fn, tasks, r, epochs=None,
                                       vocab_size=len(tokenizer), initial_version=version)
-        self.judge = Judge(rubric, tokenizer, llm=llm)
+        self.judge = Judge(rubric, tokenizer, llm=llm, tool_call_reading=r.tool_call_reading)
         self.weight_group = None
 
     def call(self, coro):

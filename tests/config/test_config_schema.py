@@ -150,3 +150,10 @@ def test_feedback_roles_match_the_chat_framing():
     from megatron_tg.config.rollout import FEEDBACK_ROLES
 
     assert FEEDBACK_ROLES == FRAMINGS
+
+
+def test_tool_call_readings_match_the_chat_package():
+    from megatron_tg.chat.tool_reading import READINGS
+    from megatron_tg.config.rollout import TOOL_CALL_READINGS
+
+    assert TOOL_CALL_READINGS == READINGS
