@@ -122,3 +122,22 @@ def test_console_script_is_installed_and_runs():
                          capture_output=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "layout:" in out.stdout
+
+
+def test_convert_subcommand_runs_the_converter(tmp_path):
+    """``megatron-tg convert hf-to-megatron --dry-run`` reaches the converter's own planner
+    (the 30B model's published config.json, no weights)."""
+    import json
+    import shutil
+
+    shutil.copy(ROOT / "tests" / "fixtures" / "hf_configs" / "qwen3-coder-30b-a3b-instruct.json",
+                tmp_path / "config.json")
+    out = cli("convert", "hf-to-megatron", "--hf-dir", str(tmp_path), "--dry-run", "--tp", "2",
+              "--ep", "8")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout.strip().splitlines()[-1])
+    assert plan["layout"] == {"tp": 2, "ep": 8, "pp": 1, "etp": 2, "world_size": 16}
+    out = cli("convert", "megatron-to-hf", "--megatron-dir", str(tmp_path), "--out-dir",
+              str(tmp_path / "hf"))
+    assert out.returncode == 2 and "not a megatron torch_dist checkpoint" in out.stderr
+    assert not (tmp_path / "hf").exists()

@@ -1,7 +1,8 @@
 """Curves of one or more runs side by side, like the paper's figures (criterion rates, pass
 rate, entropy, KL), from each run's ``metrics.jsonl``.
 
-    python tools/plot_run.py RUN_DIR [RUN_DIR ...] --out curves.png [--labels a b ...]
+    megatron-tg plot RUN_DIR [RUN_DIR ...] --out curves.png [--labels a b ...]
+    (or: python tools/plot_run.py ...)
 """
 
 from __future__ import annotations
@@ -87,11 +88,19 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="megatron-tg plot", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
     ap.add_argument("--out", required=True, help="PNG to write")
     ap.add_argument("--labels", nargs="*", help="one label per run (default: directory names)")
     ap.add_argument("--smooth", type=int, default=1, help="moving-average window in steps")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     print(plot_runs(args.runs, args.out, args.labels, args.smooth))
     return 0
