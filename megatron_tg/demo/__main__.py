@@ -133,7 +133,7 @@ def _finished(done: Path) -> dict[str, Any] | None:
 def run_one(spec: RunSpec, out: Path, plan: Plan, py: str, recipe: Path,
             inputs: dict[str, str]) -> Path:
     """One RL run as its own process (its own gloo world, engine and port); returns its dir."""
-    from megatron_tg.rollout.engine.launch import free_port
+    from megatron_tg.parallel.ports import free_port
 
     run_dir = out / "runs" / spec.name
     done = run_dir / "done.json"

@@ -8,7 +8,6 @@ process per GPU (torchrun locally, srun on Slurm); a plain ``python`` is a world
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -47,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_tg.train.loop import run as run_loop
 
     cfg = load_config(args.recipe, list(args.overrides))
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+    from megatron_tg.parallel.state import LaunchEnv
+
+    if LaunchEnv.from_env().rank == 0:  # the one reading of torchrun / srun ranks
         save_resolved(cfg)
     return run_loop(cfg, make_rollout_side=default_rollout_side)
 

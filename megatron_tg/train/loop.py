@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_tg.config.schema import TGConfig
 from megatron_tg.parallel.dims import Axis
-from megatron_tg.rollout.engine.launch import free_port
+from megatron_tg.parallel.ports import free_port
 from megatron_tg.train.metrics import MetricsLogger
 from megatron_tg.train.trainer import Trainer
 from megatron_tg.train.weight_sync import push_weights

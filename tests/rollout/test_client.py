@@ -9,7 +9,7 @@ import time
 import pytest
 
 from megatron_tg.rollout.client import GenerateResult, SGLangClient, SGLangClientError, SGLangRequestError
-from megatron_tg.testing.distributed import free_port
+from megatron_tg.parallel.ports import free_port
 
 PROMPT = [5, 17, 42, 7, 99]
 LONG = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 1.0}

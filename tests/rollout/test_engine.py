@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megatron_tg.testing.distributed import free_port
+from megatron_tg.parallel.ports import free_port
 
 PROMPT = [5, 17, 42, 7, 99]
 

@@ -63,7 +63,7 @@ def _wait(procs, timeout):
 
 
 def _port():
-    from megatron_tg.rollout.engine.launch import free_port
+    from megatron_tg.parallel.ports import free_port
 
     return free_port()
 
