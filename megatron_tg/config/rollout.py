@@ -197,6 +197,18 @@ class JudgeConfig:
     """Retries of a failed judge request; after that the criterion counts as not judged and
     that rollout gets neither reward nor feedback for it (never a silent pass)."""
 
+    max_concurrency: int = 16
+    """Judge requests in flight at once (the judge server's batch; more only queue there)."""
+
+    max_transcript_chars: int = 200_000
+    """Characters of transcript per judge request; longer transcripts lose their middle
+    (marked), so a long rollout is judged on its task and its last turns instead of being
+    dropped. A rubric criterion's ``judge_budget_chars`` lowers it for that criterion."""
+
+    overflow_retries: int = 2
+    """Re-sends with a shorter transcript when the judge answers that the prompt exceeds its
+    context (HTTP 400 "context length"); not counted against ``max_retries``."""
+
     feedback_framing: str = "Feedback on your next response: {feedback}"
     """Text of the message inserted right before a failing turn in the expert's context;
     ``{feedback}`` is replaced by the failed criteria's feedback strings."""
@@ -210,6 +222,9 @@ class JudgeConfig:
                               f"({self.endpoint!r}); got {self.model!r}")
         check_range("judge.timeout_s", self.timeout_s, gt=0)
         check_range("judge.max_retries", self.max_retries, ge=0)
+        check_range("judge.max_concurrency", self.max_concurrency, ge=1)
+        check_range("judge.max_transcript_chars", self.max_transcript_chars, ge=1000)
+        check_range("judge.overflow_retries", self.overflow_retries, ge=0)
         check_choice("judge.feedback_role", self.feedback_role, FEEDBACK_ROLES)
         if FEEDBACK_PLACEHOLDER not in self.feedback_framing:
             raise ConfigError(f"judge.feedback_framing: must contain {FEEDBACK_PLACEHOLDER}; "

@@ -50,6 +50,13 @@ class JudgeResult:
     judge_error: str | None = None
     """Set when any criterion could not be evaluated; the rollout must not be trained on."""
     llm_reply: str | None = None
+    judge_error_kind: str | None = None
+    """Why the LLM judge failed (:class:`~megatron_tg.judge.llm.LLMJudgeError` ``kind``)."""
+    llm_requests: int = 0
+    llm_overflow_retries: int = 0
+    """Re-sends with a shorter transcript after the judge answered "context length"."""
+    llm_omitted_turns: int = 0
+    """Assistant turns cut from the transcript the judge saw (most over the requests)."""
 
     @property
     def trainable(self) -> bool:
@@ -220,12 +227,27 @@ class Judge:
                                                        c.feedback, "no assistant turn")
             return
         assert self.llm is not None
-        try:
-            verdicts, raw = await self.llm.evaluate(
-                crits, tr.render_for_judge(self.llm.config.max_context_chars), task_info, n)
-        except LLMJudgeError as e:
-            errors.append(f"llm judge: {e}")
-            return
+        cfg = self.llm.config
+        render = lambda budget: tr.render_within(cfg.max_context_chars, budget)  # noqa: E731
+        # One request per transcript budget: criteria that need less context share one.
+        by_budget: dict[int, list[Criterion]] = {}
+        for c in crits:
+            by_budget.setdefault(c.judge_budget_chars or cfg.max_transcript_chars, []).append(c)
+        verdicts, raws = {}, []
+        for budget, group in by_budget.items():
+            try:
+                got, raw, call = await self.llm.evaluate(group, render, task_info, n,
+                                                         budget_chars=budget)
+            except LLMJudgeError as e:
+                errors.append(f"llm judge: {e}")
+                res.judge_error_kind = e.kind
+                return
+            verdicts.update(got)
+            raws.append(raw)
+            res.llm_requests += call.requests
+            res.llm_overflow_retries += call.overflow_retries
+            res.llm_omitted_turns = max(res.llm_omitted_turns, call.omitted_turns)
+        raw = raws[0] if len(raws) == 1 else "\n".join(raws)
         res.llm_reply = raw
         for c in crits:
             v = verdicts[c.name]

@@ -59,6 +59,10 @@ class Criterion:
     checker_args: dict[str, Any]
     checker: Checker
     description: str = ""
+    judge_budget_chars: int | None = None
+    """LLM criteria only: the most characters of transcript the judge is sent for this
+    criterion (the middle is cut with a marker beyond it); None = the judge client's
+    ``max_transcript_chars``. Criteria with the same budget share one judge request."""
 
     @property
     def is_llm(self) -> bool:
@@ -102,7 +106,8 @@ class Rubric:
 
 
 _TOP_KEYS = {"name", "description", "criteria"}
-_CRIT_KEYS = {"name", "scope", "weight", "primary", "feedback", "checker", "description"}
+_CRIT_KEYS = {"name", "scope", "weight", "primary", "feedback", "checker", "description",
+              "judge_budget_chars"}
 
 
 def parse_rubric(obj: Any, source: str = "<dict>") -> Rubric:
@@ -155,10 +160,17 @@ def _parse_criterion(c: Any, where: str) -> Criterion:
         checker = build_checker(spec["type"], args)
     except Exception as e:  # ValueError, ImportError, AttributeError from a python checker
         raise RubricError(f"{where}.checker: {e}") from e
+    budget = c.get("judge_budget_chars")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1000:
+            raise RubricError(f"{where}.judge_budget_chars: must be an integer >= 1000, got {budget!r}")
+        if not checker.is_llm:
+            raise RubricError(f"{where}.judge_budget_chars: only LLM-judged criteria are sent "
+                              f"to a judge (checker {spec['type']!r} is a rule)")
     return Criterion(name=name, scope=scope, weight=float(weight), primary=primary,
                      feedback=feedback.strip() if feedback else None, checker_type=spec["type"],
                      checker_args=dict(args), checker=checker,
-                     description=str(c.get("description", "")))
+                     description=str(c.get("description", "")), judge_budget_chars=budget)
 
 
 def load_rubric(path: str | os.PathLike) -> Rubric:

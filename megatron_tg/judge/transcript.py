@@ -102,17 +102,55 @@ class Transcript:
         """The whole transcript as one string (block texts joined by blank lines)."""
         return "\n\n".join(b.text for b in self.blocks)
 
-    def render_for_judge(self, max_context_chars: int = 4000) -> str:
-        """Human/LLM-readable transcript with numbered assistant turns. Non-assistant blocks
-        (system prompt, tool output) are cut in the middle beyond ``max_context_chars``;
-        assistant turns are never cut, since they are what is being graded."""
-        parts = []
+    def render_for_judge(self, max_context_chars: int = 4000,
+                         budget_chars: int | None = None) -> str:
+        """Human/LLM-readable transcript with numbered assistant turns (see
+        :meth:`render_within`, which also says what was cut)."""
+        return self.render_within(max_context_chars, budget_chars)[0]
+
+    def render_within(self, max_context_chars: int = 4000,
+                      budget_chars: int | None = None) -> tuple[str, list[int]]:
+        """The rendered transcript and the assistant turns left out to fit ``budget_chars``.
+
+        Non-assistant blocks (system prompt, tool output) are cut in the middle beyond
+        ``max_context_chars``. When the whole still exceeds ``budget_chars``, the middle of the
+        transcript goes: the first block (the task) and as many of the last blocks as fit
+        are kept, and one marker says which assistant turns and how many characters were
+        omitted; the final turn is always shown (cut in its middle only if it alone exceeds
+        the budget). Assistant turns are otherwise never cut: they are what is graded."""
+        parts, turns = [], []
         for b in self.blocks:
             if b.kind == "assistant":
                 parts.append(f"=== ASSISTANT TURN {b.turn} ===\n{b.text}")
             else:
-                parts.append(f"=== {b.kind.upper()} (context) ===\n{_middle_cut(b.text, max_context_chars)}")
-        return "\n\n".join(parts)
+                parts.append(f"=== {b.kind.upper()} (context) ===\n"
+                             f"{_middle_cut(b.text, max_context_chars)}")
+            turns.append(b.turn if b.kind == "assistant" else None)
+        sep = "\n\n"
+        total = sum(len(p) for p in parts) + len(sep) * max(len(parts) - 1, 0)
+        if budget_chars is None or total <= budget_chars or len(parts) <= 2:
+            if budget_chars is not None and total > budget_chars:
+                parts = [_middle_cut(p, max(budget_chars // len(parts) - 100, 200)) for p in parts]
+            return sep.join(parts), []
+        marker_room = 200
+        head = parts[0]
+        room = budget_chars - len(head) - marker_room - 2 * len(sep)
+        keep_from = len(parts) - 1  # the last block always stays
+        used = len(parts[-1])
+        while keep_from - 1 > 0 and used + len(sep) + len(parts[keep_from - 1]) <= room:
+            keep_from -= 1
+            used += len(sep) + len(parts[keep_from])
+        omitted = parts[1:keep_from]
+        omitted_turns = [t for t in turns[1:keep_from] if t is not None]
+        tail = parts[keep_from:]
+        if used > room:  # the last block alone is too long: cut its middle
+            tail = [_middle_cut(tail[0], max(room, 500))] + tail[1:]
+        chars = sum(len(p) for p in omitted)
+        which = (f"assistant turns {omitted_turns[0]}-{omitted_turns[-1]}" if len(omitted_turns) > 1
+                 else f"assistant turn {omitted_turns[0]}" if omitted_turns else "no assistant turn")
+        marker = (f"=== [OMITTED to fit the judge's budget: {len(omitted)} blocks ({which}), "
+                  f"{chars} characters] ===")
+        return sep.join([head, marker, *tail]), omitted_turns
 
 
 def _middle_cut(text: str, limit: int) -> str:

@@ -31,9 +31,12 @@ def default_rollout_side(trainer):
     if rubric.llm_criteria():
         if not cfg.judge.endpoint:
             raise ValueError(f"rubric {rubric.name!r} has LLM-judged criteria: set judge.endpoint")
-        llm = LLMJudgeClient(LLMJudgeConfig(base_url=cfg.judge.endpoint, model=cfg.judge.model or "judge",
-                                            timeout_s=cfg.judge.timeout_s,
-                                            max_attempts=cfg.judge.max_retries + 1))
+        j = cfg.judge
+        llm = LLMJudgeClient(LLMJudgeConfig(base_url=j.endpoint, model=j.model or "judge",
+                                            timeout_s=j.timeout_s, max_attempts=j.max_retries + 1,
+                                            max_concurrency=j.max_concurrency,
+                                            max_transcript_chars=j.max_transcript_chars,
+                                            overflow_retries=j.overflow_retries))
     tasks = load_tasks(cfg.rollout.tasks) if cfg.rollout.tasks else builtin_tasks()
     harness = AgentHarness(trainer.tokenizer, cfg.rollout)
     return RolloutSide(cfg, trainer.tokenizer, harness, tasks, rubric,

@@ -88,6 +88,25 @@ def primary_criteria(obj, rubric: Rubric) -> list[str]:
     return primary
 
 
+def judge_drop_metrics(judged: Sequence[tuple[Rollout, Any]]) -> dict[str, float]:
+    """Judge errors by rollout length, so a judge that drops the longest rollouts (the bias
+    a context limit causes) shows up: the error rate of the shortest, middle and longest
+    third of the batch by tokens, and the judge's overflow re-sends and transcript cuts."""
+    if not judged:
+        return {}
+    order = sorted(judged, key=lambda x: len(x[0].token_ids))
+    n = len(order)
+    out: dict[str, float] = {}
+    for name, part in (("short", order[: n // 3]), ("mid", order[n // 3: n - n // 3]),
+                       ("long", order[n - n // 3:])):
+        if part:
+            out[f"judge/error_rate_{name}"] = sum(not r.trainable for _, r in part) / len(part)
+    out["judge/overflow_errors"] = float(sum(r.judge_error_kind == "overflow" for _, r in judged))
+    out["judge/overflow_retries"] = float(sum(r.llm_overflow_retries for _, r in judged))
+    out["judge/truncated"] = float(sum(r.llm_omitted_turns > 0 for _, r in judged)) / n
+    return out
+
+
 def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg: TGConfig
                    ) -> tuple[list[TrainSample], list[str], dict[str, float]]:
     """TrainSamples with group-relative advantages; ids of groups lost to judge errors; metrics."""
@@ -105,7 +124,8 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     lost = sorted({g.group_id for g in groups} - {g.group_id for g, _, _ in ok})
     metrics: dict[str, float] = {
         "rollout/judge_errors": float(sum(1 for _, _, res in flat if not res.trainable)),
-        "rollout/empty": float(empty), "rollout/groups_lost": float(len(lost))}
+        "rollout/empty": float(empty), "rollout/groups_lost": float(len(lost)),
+        **judge_drop_metrics([(ro, res) for _, ro, res in flat])}
     if not ok:
         return [], lost, metrics
     scores = torch.tensor([[1.0 if res.passed.get(n, False) else 0.0 for n in names]
