@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_tg.config.schema import TGConfig
 from megatron_tg.parallel.dims import Axis
 from megatron_tg.parallel.ports import free_port
+from megatron_tg.train.manifest import write_manifest
 from megatron_tg.train.metrics import MetricsLogger
 from megatron_tg.train.trainer import Trainer
 from megatron_tg.train.weight_sync import push_weights
@@ -100,6 +101,8 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
         side.load_state_dict(state["rollouts"])
     if trainer.step > 0:  # the engines serve the base weights: bring them to the checkpoint's
         sync_weights(trainer, side, restart=True)
+    if rank0:  # what produced this run, appended at every start (train/manifest.py)
+        write_manifest(cfg.logging.run_dir, cfg, step=trainer.step, **side.identity())
     _say(rank0, f"resumed from checkpoint step {trainer.step} of {cfg.steps}" if trainer.step
          else f"starting at step 0 of {cfg.steps}")
     log = MetricsLogger(cfg.logging, cfg.logging.run_dir, enabled=rank0,

@@ -230,6 +230,24 @@ class RolloutSide:
                     out["probe/errors"] = out.get("probe/errors", 0.0) + 1.0
         return out
 
+    def identity(self) -> dict[str, Any]:
+        """The judge and the engines as the run manifest records them (see
+        :mod:`megatron_tg.train.manifest`); an engine that does not answer is recorded so."""
+        from megatron_tg.train.manifest import judge_identity
+
+        keep = ("version", "model_path", "tp_size", "dp_size", "weight_version",
+                "enable_deterministic_inference", "served_model_name")
+        try:
+            infos = self.call(self.client.get_server_info())
+        except Exception as exc:  # noqa: BLE001 - the manifest says what it could not learn
+            infos, error = {}, f"{type(exc).__name__}: {exc}"
+        else:
+            error = "no reply"
+        engines = [{"url": u, **({k: infos[u].get(k) for k in keep if k in infos[u]}
+                                  if isinstance(infos.get(u), dict) else {"error": error})}
+                   for u in self.client.admin_urls]
+        return {"judge": judge_identity(self.cfg, self.cfg.judge.rubric), "engines": engines}
+
     def state_dict(self) -> dict[str, Any]:
         return self.manager.state_dict()
 

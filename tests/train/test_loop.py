@@ -111,3 +111,14 @@ def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
     assert all(r["entropy/all"] > 0 for r in rows)
     assert (run_dir / "config.yaml").exists()
     assert (run_dir / "ckpt" / "latest").read_text().strip() == "step_00000004"
+    # the manifest: one entry per start, the resume at the step it resumed from
+    import json
+
+    import torch
+
+    starts = json.loads((run_dir / "manifest.json").read_text())["starts"]
+    assert [e["step"] for e in starts] == [0, stopped_at]
+    assert starts[0]["packages"]["torch"] == torch.__version__
+    assert starts[1]["changed_since_first"] == []  # same code, packages and config
+    assert starts[0]["judge"]["rubric_sha256"] and starts[0]["engines"]
+    assert all("version" in e and e["url"].startswith("http://") for e in starts[0]["engines"])
