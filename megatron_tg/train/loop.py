@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_tg.config.schema import TGConfig
-from megatron_tg.parallel.dims import Axis
 from megatron_tg.parallel.ports import free_port
 from megatron_tg.train.manifest import write_manifest
 from megatron_tg.train.metrics import MetricsLogger
+from megatron_tg.train.scatter import scatter_by_tokens
 from megatron_tg.train.trainer import Trainer
 from megatron_tg.train.weight_sync import push_weights
 
@@ -47,21 +47,6 @@ class StopFlag:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.requested = bool(flag.item())
         return self.requested
-
-
-def share_for_this_rank(trainer: Trainer, samples, metrics):
-    """Rank 0's judged samples -> every rank; each DP rank keeps its slice."""
-    box = [(samples, metrics) if trainer.ctx.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    samples, metrics = box[0]
-    dp, dp_rank = trainer.ctx.dims.dp, trainer.ctx.rank_in(Axis.DP)
-    if len(samples) < dp:
-        raise RuntimeError(
-            f"{len(samples)} trainable rollouts for {dp} data-parallel ranks (judge errors: "
-            f"{metrics.get('rollout/judge_errors', 0):g}, rollouts without an assistant turn: "
-            f"{metrics.get('rollout/empty', 0):g} — is the prompt longer than "
-            "rollout.max_context_tokens? Otherwise raise rollout.prompts_per_step or group_size)")
-    return samples[dp_rank::dp], metrics
 
 
 def sync_weights(trainer: Trainer, side, *, restart: bool = False) -> dict[str, float]:
@@ -112,7 +97,7 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
         while trainer.step < cfg.steps:
             t0 = time.perf_counter()
             batch = side.next_batch(trainer.step) if rank0 else (None, None)      # generate + judge
-            samples, metrics = share_for_this_rank(trainer, *batch)
+            samples, metrics = scatter_by_tokens(*batch, rank=trainer.ctx.rank, dims=trainer.ctx.dims)
             t1 = time.perf_counter()
             metrics.update(trainer.train_step(samples))                          # GRPO + gated KL
             t2 = time.perf_counter()
