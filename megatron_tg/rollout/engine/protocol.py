@@ -62,10 +62,10 @@ class SamplingParams:
         d = dict(d or {})
         unknown = sorted(set(d) - SGLANG_SAMPLING_KEYS)
         if unknown:
-            # SGLang's wording (msgspec's TypeError), answered with 400 as SGLang does: a
-            # misspelt key must not silently sample with the default instead.
-            raise RequestError(f"Unexpected keyword argument {unknown[0]!r} in sampling_params "
-                               f"(unknown: {', '.join(unknown)})")
+            # A 400 with the wording of SGLang's JSON contract gate: a misspelt key must
+            # not silently sample with the default instead.
+            raise RequestError(f"unknown field `{unknown[0]}` in sampling_params, expected one of "
+                               + ", ".join(f"`{k}`" for k in sorted(SGLANG_SAMPLING_KEYS)))
         # Parameters whose non-default values change the output distribution. We refuse
         # them loudly: an RL trainer must never get samples from a different policy
         # than the one it asked for.
