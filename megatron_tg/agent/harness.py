@@ -9,9 +9,10 @@ Loop (token-exact; the engine's ids and log-probs are stored as generated, never
         run the calls in the sandboxed workspace; malformed calls become error observations
         append the tool responses as the template renders them (+ the next generation prompt)
     until the turn limit ("max_turns") or the context limit ("length")
-    then run the hidden tests on a copy of the final workspace -> metadata["tests_passed"]
+    then grade a copy of the final workspace (megatron_tg.agent.grading) -> metadata["tests_passed"]
 
-The result's metadata key ``tests_passed`` is what the judge's ``tests_pass`` checker reads.
+The result's metadata key ``tests_passed`` is what the judge's ``tests_pass`` checker reads;
+``tests`` holds the per-test results and, when it failed, why.
 A harness instance is shared by all rollouts (it holds no per-rollout state) and is the
 ``rollout_fn`` given to :class:`~megatron_tg.rollout.manager.RolloutManager`.
 """
@@ -19,17 +20,15 @@ A harness instance is shared by all rollouts (it holds no per-rollout state) and
 from __future__ import annotations
 
 import asyncio
-import copy
+import atexit
 import logging
-import os
-import shutil
-import stat
-import tempfile
 from typing import Any
 
+from megatron_tg.agent.grading import Grader
 from megatron_tg.agent.sandbox import Limits, Sandbox, rmtree
-from megatron_tg.agent.tasks import Task, materialize, write_files
+from megatron_tg.agent.tasks import Task, materialize
 from megatron_tg.agent.tools import Tools, tool_specs
+from megatron_tg.agent.workspace import WorkspacePool
 from megatron_tg.chat.builder import RolloutBuilder
 from megatron_tg.chat.framing import ToolCall, continuation_ids, stop_token_id
 from megatron_tg.config.rollout import RolloutConfig
@@ -43,7 +42,6 @@ DEFAULT_SYSTEM_PROMPT = (
     "summary and no tool call.")
 MALFORMED_HINT = ("Write tool calls as <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n"
                   "</parameter>\n</function>\n</tool_call>")
-TEST_OUTPUT_CHARS = 2000
 
 
 class AgentHarness:
@@ -56,7 +54,8 @@ class AgentHarness:
         self.test_limits = Limits(**{**vars(self.sandbox.limits), "wall_s": self.cfg.test_timeout_s,
                                      "cpu_s": max(1, int(self.cfg.test_timeout_s + 0.999))})
         self.system_prompt = system_prompt
-        self.workspace_root = workspace_root
+        self.workspaces = WorkspacePool(workspace_root or self.cfg.workspace_root)
+        atexit.register(self.workspaces.close)
         self.tools = tool_specs(self.cfg.search_default_lines)
         self.eos = stop_token_id(tokenizer)
 
@@ -64,15 +63,13 @@ class AgentHarness:
         return await self.run(ctx)
 
     def _sandbox_for(self, task: Task) -> Sandbox:
-        if not task.source:
-            return self.sandbox
-        sb = copy.copy(self.sandbox)  # same limits and checks; also hide this task file
-        sb.hide = self.sandbox.hide + [task.source]
-        return sb
+        # The task file holds the hidden tests; it is not bound anyway unless it lies under
+        # an exposed path (the Python environment), where hiding it still matters.
+        return self.sandbox.with_hidden([task.source]) if task.source else self.sandbox
 
     async def run(self, ctx) -> Rollout:
         task = ctx.task if isinstance(ctx.task, Task) else Task.from_dict(ctx.task)
-        ws = tempfile.mkdtemp(prefix="tg-ws-", dir=self.workspace_root)
+        ws = self.workspaces.new()
         try:
             await asyncio.to_thread(materialize, task, ws)  # a repo copy can be large
             if not self.sandbox.checked:  # once, before per-task copies are made
@@ -86,7 +83,8 @@ class AgentHarness:
                                           {"role": "user", "content": task.instruction}],
                                tools=self.tools, task_id=task.id, group_id=ctx.group_id, rollout_id=ctx.rollout_id)
             finish, stats = await self._loop(ctx, b, tools)
-            metadata = {**stats, **await self._hidden_tests(task, ws, sandbox)}
+            grade = await Grader(sandbox, self.test_limits, str(self.workspaces.run_dir)).grade(task, ws)
+            metadata = {**stats, **grade.metadata()}
             return b.build(finish, metadata)
         finally:
             rmtree(ws)
@@ -130,39 +128,6 @@ class AgentHarness:
                 return "length", stats  # the observations leave no room for another turn
             b.add_messages(messages, close_turn=close, meta={"calls": calls_meta})
         return "max_turns", stats
-
-    async def _hidden_tests(self, task: Task, ws: str, sandbox: Sandbox) -> dict[str, Any]:
-        """Run the hidden tests on a copy of the final workspace (the agent never sees them and
-        cannot touch the copy: its processes are gone when this runs)."""
-        ev = tempfile.mkdtemp(prefix="tg-eval-", dir=self.workspace_root)
-
-        def prepare():
-            shutil.copytree(ws, ev, symlinks=True, dirs_exist_ok=True, ignore=_special_files)
-            write_files(ev, task.hidden_files)
-            sandbox.adopt(ev, ev)
-
-        try:
-            await asyncio.to_thread(prepare)
-            res = await sandbox.run(task.hidden_test_command, ev, self.test_limits)
-        finally:
-            rmtree(ev)
-        return {"tests_passed": res.ok,
-                "tests": {"exit_code": res.exit_code, "timed_out": res.timed_out,
-                          "output": res.describe()[-TEST_OUTPUT_CHARS:]}}
-
-
-def _special_files(src: str, names: list[str]) -> list[str]:
-    """copytree filter: FIFOs, sockets and devices the agent made (copying a FIFO blocks)."""
-    out = []
-    for n in names:
-        try:
-            m = os.lstat(os.path.join(src, n)).st_mode
-        except OSError:
-            out.append(n)
-            continue
-        if not (stat.S_ISREG(m) or stat.S_ISDIR(m) or stat.S_ISLNK(m)):
-            out.append(n)
-    return out
 
 
 def run_standalone(harness: AgentHarness, client, task: Task, *, version: int = 0,
