@@ -159,13 +159,15 @@ def reset_steering_files(copy: Path, original: Path) -> list[str]:
 
 
 def grading_files(task: Task) -> dict[str, str]:
-    """The test files written over the copy: the task's hidden files, and with a test patch
-    the files it touches as the base commit has them with the patch applied."""
+    """The test files written over the copy: the task's hidden files; for a task from a git
+    mirror also the files of its required tests and those its test patch touches, as the
+    base commit has them with the patch applied."""
     files = dict(task.hidden_files)
-    if task.test_patch:
+    if task.repo is not None and task.base_commit is not None:
         from megatron_tg.agent.swe.repos import patched_files
 
-        files.update(patched_files(task.repo, task.base_commit, task.test_patch))
+        test_files = sorted({t.split("::", 1)[0] for t in task.required_tests} - set(files))
+        files.update(patched_files(task.repo, task.base_commit, task.test_patch, test_files))
     return files
 
 

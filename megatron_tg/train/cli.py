@@ -35,11 +35,18 @@ def default_rollout_side(trainer):
         llm = LLMJudgeClient(LLMJudgeConfig(base_url=cfg.judge.endpoint, model=cfg.judge.model or "judge",
                                             timeout_s=cfg.judge.timeout_s,
                                             max_attempts=cfg.judge.max_retries + 1))
-    tasks = load_tasks(cfg.rollout.tasks) if cfg.rollout.tasks else builtin_tasks()
+    tasks = load_tasks(cfg.rollout.tasks, repos_root=cfg.rollout.repos_root) if cfg.rollout.tasks else builtin_tasks()
     harness = AgentHarness(trainer.tokenizer, cfg.rollout)
     return RolloutSide(cfg, trainer.tokenizer, harness, tasks, rubric,
                        engine_model_dir=cfg.model.hf_checkpoint, log_dir=cfg.logging.run_dir,
                        version=0, llm=llm)  # engines start on the base weights: version 0
+
+
+def check_task_file(path: str | None) -> None:
+    """Refuse a missing task file before any model is built (minutes on a cluster)."""
+    if path is not None and not os.path.isfile(path):
+        raise SystemExit(f"rollout.tasks: task file {os.path.abspath(path)} does not exist "
+                         "(the README's agent section says how to build one)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_tg.train.loop import run as run_loop
 
     cfg = load_config(args.recipe, list(args.overrides))
+    check_task_file(cfg.rollout.tasks)
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
         save_resolved(cfg)
     return run_loop(cfg, make_rollout_side=default_rollout_side)

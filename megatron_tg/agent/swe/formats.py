@@ -96,7 +96,7 @@ def task_from_swe_row(row: dict, *, repos_root: str | os.PathLike, source: str |
         iid, name = _str(row, "instance_id"), _str(row, "repo")
         f2p, p2p = _id_list(row, "FAIL_TO_PASS"), _id_list(row, "PASS_TO_PASS")
         commit = _str(row, "base_commit", required=fmt != "swe-smith") or iid  # SWE-smith: branch = id
-        test_patch = _str(row, "test_patch", required=fmt in ("swe-bench", "swe-rebench"))
+        test_patch = _str(row, "test_patch", required=False) or None  # "" = the tests are unchanged
         image = (_str(row, "docker_image", required=False) or _str(row, "image_name", required=False)
                  or (image_template.format(id=iid.replace("__", "_1776_")) if fmt == "swe-bench" else None))
         for k in ("version", "environment_setup_commit", "created_at", "hints_text"):

@@ -58,10 +58,11 @@ def patch_paths(patch: str) -> list[str]:
     return out
 
 
-def patched_files(repo: str, commit: str, patch: str) -> dict[str, str]:
-    """``{path: content}`` of every file ``patch`` touches, as ``commit`` has it with the
-    patch applied (files the patch deletes are left out)."""
-    paths = patch_paths(patch)
+def patched_files(repo: str, commit: str, patch: str | None, also: list[str] = ()) -> dict[str, str]:
+    """``{path: content}`` of every file ``patch`` touches and of the files ``also`` names,
+    as ``commit`` has them with the patch applied (files the patch deletes, and files of
+    ``also`` the commit does not have, are left out)."""
+    paths = list(dict.fromkeys(patch_paths(patch or "") + [safe_relpath(p, "test id").as_posix() for p in also]))
     with tempfile.TemporaryDirectory(prefix="tg-patch-") as d:
         for p in paths:
             try:
@@ -71,8 +72,8 @@ def patched_files(repo: str, commit: str, patch: str) -> dict[str, str]:
             Path(d, p).parent.mkdir(parents=True, exist_ok=True)
             Path(d, p).write_bytes(content)
         r = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=d, input=patch.encode(),
-                           capture_output=True, timeout=60)
-        if r.returncode != 0:
+                           capture_output=True, timeout=60) if patch else None
+        if r is not None and r.returncode != 0:
             raise RepoError(f"test_patch does not apply to {commit} of {repo}: "
                             f"{r.stderr.decode(errors='replace').strip()[:400]}")
         return {p: Path(d, p).read_text(encoding="utf-8", errors="replace") for p in paths if Path(d, p).is_file()}
