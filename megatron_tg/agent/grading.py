@@ -208,11 +208,13 @@ class Grader:
 
         await asyncio.to_thread(prepare)
         test_files = sorted({t.split("::", 1)[0] for t in task.required_tests} | {canary})
-        roots = os.pathsep.join(str(ev / p) for p in task.pythonpath)
-        # Without bwrap there are no private mount points: the real directories are used.
-        g_dir, r_dir = ("/tg-grader", "/tg-report") if self.sandbox.mode == "bwrap" else (str(grader), str(report))
+        ev_in = Path(self.sandbox.path_in(ev))  # where the command sees the copy (/testbed in an image)
+        roots = os.pathsep.join(str(ev_in / p) for p in task.pythonpath)
+        # Without isolation there are no private mount points: the real directories are used.
+        isolated = self.sandbox.mode != "none"
+        g_dir, r_dir = ("/tg-grader", "/tg-report") if isolated else (str(grader), str(report))
         report_file = f"{r_dir}/junit.xml"
-        args = ["-c", f"{g_dir}/pytest.ini", f"--rootdir={ev}", "-p", "no:cacheprovider", "-q",
+        args = ["-c", f"{g_dir}/pytest.ini", f"--rootdir={ev_in}", "-p", "no:cacheprovider", "-q",
                 "-o", "console_output_style=classic", *test_files]
         cmd = (f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 exec python -I -B {g_dir}/run.py {{fd}} {report_file} "
                f"{_q(roots)} -- " + " ".join(_q(a) for a in args))
@@ -223,7 +225,7 @@ class Grader:
             os.close(w)
             res = await self.sandbox.run(cmd.format(fd=r), ev, self.limits, pass_fds=[r],
                                          binds=[Bind(str(grader), g_dir), Bind(str(report), r_dir, writable=True)]
-                                         if self.sandbox.mode == "bwrap" else [])
+                                         if isolated else [])
         finally:
             os.close(r)
         return self._verdict(task, report / "junit.xml", key, canary, res.describe())

@@ -25,6 +25,7 @@ import logging
 from typing import Any
 
 from megatron_tg.agent.grading import Grader
+from megatron_tg.agent.runtimes import sandbox_from_config
 from megatron_tg.agent.sandbox import Limits, Sandbox, rmtree
 from megatron_tg.agent.tasks import Task, materialize
 from megatron_tg.agent.tools import Tools, tool_specs
@@ -49,7 +50,7 @@ class AgentHarness:
                  system_prompt: str = DEFAULT_SYSTEM_PROMPT, workspace_root: str | None = None):
         self.tok = tokenizer
         self.cfg = config or RolloutConfig()
-        self.sandbox = sandbox or Sandbox.from_config(self.cfg)
+        self.sandbox = sandbox or sandbox_from_config(self.cfg)
         self.shell_limits = self.sandbox.limits
         self.test_limits = Limits(**{**vars(self.sandbox.limits), "wall_s": self.cfg.test_timeout_s,
                                      "cpu_s": max(1, int(self.cfg.test_timeout_s + 0.999))})
@@ -62,11 +63,6 @@ class AgentHarness:
     async def __call__(self, ctx) -> Rollout:
         return await self.run(ctx)
 
-    def _sandbox_for(self, task: Task) -> Sandbox:
-        # The task file holds the hidden tests; it is not bound anyway unless it lies under
-        # an exposed path (the Python environment), where hiding it still matters.
-        return self.sandbox.with_hidden([task.source]) if task.source else self.sandbox
-
     async def run(self, ctx) -> Rollout:
         task = ctx.task if isinstance(ctx.task, Task) else Task.from_dict(ctx.task)
         ws = self.workspaces.new()
@@ -74,7 +70,7 @@ class AgentHarness:
             await asyncio.to_thread(materialize, task, ws)  # a repo copy can be large
             if not self.sandbox.checked:  # once, before per-task copies are made
                 await self.sandbox.self_test(ws)
-            sandbox = self._sandbox_for(task)
+            sandbox = self.sandbox.for_task(task)
             await asyncio.to_thread(sandbox.adopt, ws, ws)
             tools = Tools(ws, sandbox, test_command=task.test_command,
                           search_default_lines=self.cfg.search_default_lines,

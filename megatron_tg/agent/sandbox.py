@@ -140,6 +140,15 @@ class Sandbox:
                         memory_mb=cfg.tool_memory_mb, max_procs=cfg.tool_max_procs, disk_mb=cfg.tool_disk_mb)
         return cls(cfg.sandbox, allow_unsandboxed=cfg.allow_unsandboxed, limits=limits, **kw)
 
+    def for_task(self, task) -> "Sandbox":
+        """The sandbox for one task's commands: its task file hidden too (it holds the hidden
+        tests; it is not bound anyway unless it lies under an exposed path)."""
+        return self.with_hidden([task.source]) if task.source else self
+
+    def path_in(self, workdir: str | os.PathLike) -> str:
+        """Where ``workdir`` is seen by the command (bwrap binds it at its own path)."""
+        return os.path.abspath(workdir)
+
     def with_hidden(self, paths: Iterable[str | os.PathLike]) -> "Sandbox":
         """The same sandbox (limits, checks) that also hides ``paths``."""
         sb = copy_of(self)
