@@ -19,17 +19,14 @@ A harness instance is shared by all rollouts (it holds no per-rollout state) and
 
 from __future__ import annotations
 
-import asyncio
-import atexit
 import logging
 from typing import Any
 
-from megatron_tg.agent.grading import Grader
+from megatron_tg.agent.environment import Environment, Episode, LocalEnvironment
 from megatron_tg.agent.runtimes import sandbox_from_config
-from megatron_tg.agent.sandbox import Limits, Sandbox, rmtree
-from megatron_tg.agent.tasks import Task, materialize
-from megatron_tg.agent.tools import Tools, tool_specs
-from megatron_tg.agent.workspace import WorkspacePool
+from megatron_tg.agent.sandbox import Sandbox
+from megatron_tg.agent.tasks import Task
+from megatron_tg.agent.tools import tool_specs
 from megatron_tg.chat.builder import RolloutBuilder
 from megatron_tg.chat.framing import ToolCall, continuation_ids, stop_token_id
 from megatron_tg.config.rollout import RolloutConfig
@@ -47,16 +44,20 @@ MALFORMED_HINT = ("Write tool calls as <tool_call>\n<function=NAME>\n<parameter=
 
 class AgentHarness:
     def __init__(self, tokenizer, config: RolloutConfig | None = None, *, sandbox: Sandbox | None = None,
-                 system_prompt: str = DEFAULT_SYSTEM_PROMPT, workspace_root: str | None = None):
+                 system_prompt: str = DEFAULT_SYSTEM_PROMPT, workspace_root: str | None = None,
+                 environment: Environment | None = None):
         self.tok = tokenizer
         self.cfg = config or RolloutConfig()
-        self.sandbox = sandbox or sandbox_from_config(self.cfg)
-        self.shell_limits = self.sandbox.limits
-        self.test_limits = Limits(**{**vars(self.sandbox.limits), "wall_s": self.cfg.test_timeout_s,
-                                     "cpu_s": max(1, int(self.cfg.test_timeout_s + 0.999))})
+        if environment is None and self.cfg.sandbox_url and sandbox is None:
+            from megatron_tg.agent.remote import RemoteEnvironment
+
+            environment = RemoteEnvironment.from_config(self.cfg)
+        self.sandbox = None
+        if environment is None:
+            self.sandbox = sandbox or sandbox_from_config(self.cfg)
+            environment = LocalEnvironment.from_config(self.cfg, self.sandbox, workspace_root)
+        self.env = environment
         self.system_prompt = system_prompt
-        self.workspaces = WorkspacePool(workspace_root or self.cfg.workspace_root)
-        atexit.register(self.workspaces.close)
         self.tools = tool_specs(self.cfg.search_default_lines)
         self.eos = stop_token_id(tokenizer)
 
@@ -65,27 +66,18 @@ class AgentHarness:
 
     async def run(self, ctx) -> Rollout:
         task = ctx.task if isinstance(ctx.task, Task) else Task.from_dict(ctx.task)
-        ws = self.workspaces.new()
+        episode = await self.env.open(task)
         try:
-            await asyncio.to_thread(materialize, task, ws)  # a repo copy can be large
-            if not self.sandbox.checked:  # once, before per-task copies are made
-                await self.sandbox.self_test(ws)
-            sandbox = self.sandbox.for_task(task)
-            await asyncio.to_thread(sandbox.adopt, ws, ws)
-            tools = Tools(ws, sandbox, test_command=task.test_command,
-                          search_default_lines=self.cfg.search_default_lines,
-                          max_output_chars=self.cfg.tool_output_chars, shell_limits=self.shell_limits)
             b = RolloutBuilder(self.tok, [{"role": "system", "content": self.system_prompt},
                                           {"role": "user", "content": task.instruction}],
                                tools=self.tools, task_id=task.id, group_id=ctx.group_id, rollout_id=ctx.rollout_id)
-            finish, stats = await self._loop(ctx, b, tools)
-            grade = await Grader(sandbox, self.test_limits, str(self.workspaces.run_dir)).grade(task, ws)
-            metadata = {**stats, **grade.metadata()}
+            finish, stats = await self._loop(ctx, b, episode)
+            metadata = {**stats, **await episode.grade()}
             return b.build(finish, metadata)
         finally:
-            rmtree(ws)
+            await episode.close()
 
-    async def _loop(self, ctx, b: RolloutBuilder, tools: Tools) -> tuple[str, dict[str, Any]]:
+    async def _loop(self, ctx, b: RolloutBuilder, tools: Episode) -> tuple[str, dict[str, Any]]:
         stats = {"tool_calls": 0, "tool_failures": 0, "malformed_tool_calls": 0, "search_calls": 0,
                  "search_calls_with_lines": 0}
         for turn in range(self.cfg.max_turns):
