@@ -26,9 +26,11 @@ without doing the task is closed:
 * **files the agent made unreadable** are made readable in the copy before grading, and
   FIFOs, sockets and devices are skipped (copying a FIFO would block).
 
-Not closed by an in-process check: tested code that reads the grader's signing object from
-its own process's memory and selectively rewrites individual results while leaving the
-canaries alone. That is what the separate judge and the transcript are for.
+Not closed: the tested code runs inside pytest's process, so code written to defeat this
+grader in particular can read the signing key there (from the inherited pipe or the
+runner's memory), or rewrite the report in the moment between pytest writing it and the
+runner signing it, with results consistent with the canaries. No in-process check stops
+that; the transcript the judge reads (which shows such code) is the defence left.
 """
 
 from __future__ import annotations

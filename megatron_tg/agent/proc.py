@@ -17,11 +17,12 @@ import asyncio
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
-POLL_S = 0.1
+POLL_S = 0.1  # one /proc scan per interval serves every call being watched
 DISK_POLL_S = 1.0  # a directory walk; a big repository makes it the costly poll
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -115,25 +116,24 @@ def disk_usage_bytes(root: str | os.PathLike) -> int:
 class TreeWatch:
     """Polls the pid namespace of a sandbox whose outermost process is ``pid``."""
 
-    def __init__(self, pid: int, limits: Limits, workdir: str | None, own_namespace: bool):
+    def __init__(self, pid: int, limits: Limits, workdir: str | None):
         self.pid, self.limits, self.workdir = pid, limits, workdir
-        self.own_namespace = own_namespace
-        self.ns: str | None = None
         self.peak_rss = 0
         self.peak_procs = 0
 
     def _members(self) -> list[int]:
-        if not self.own_namespace:  # no pid namespace ("none" mode): the process group
-            pgid = self.pid
-            return [p for p in _pids() if _pgid(p) == pgid]
-        if self.ns is None:
-            for p in _pids():
-                if _ppid(p) == self.pid:  # bwrap's child is pid 1 of the namespace
-                    self.ns = _ns(p)
-                    break
-            if self.ns is None:
-                return []
-        return [p for p in _pids() if _ns(p) == self.ns]
+        # The call's processes are the runtime's descendants: in a pid namespace an orphan is
+        # re-parented to the namespace's init, itself a child of bwrap, so nothing escapes the
+        # walk (without a namespace, "none" mode, a double fork can).
+        children: dict[int, list[int]] = {}
+        for pid, ppid in _parents().items():
+            children.setdefault(ppid, []).append(pid)
+        out, todo = [], list(children.get(self.pid, []))
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            todo += children.get(p, [])
+        return out
 
     def check(self, disk: bool) -> str | None:
         members = self._members()
@@ -148,38 +148,34 @@ class TreeWatch:
         return None
 
 
-def _pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+_snapshot_lock = threading.Lock()
+_snapshot: tuple[float, dict[int, int]] = (0.0, {})
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process, from one /proc scan shared by all the calls
+    watched at the same time (at most one scan per poll interval)."""
+    global _snapshot
+    with _snapshot_lock:
+        t, snap = _snapshot
+        if time.monotonic() - t < POLL_S / 2:
+            return snap
+        snap = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                s = _read(f"/proc/{name}/stat")
+                if s and ")" in s:
+                    fields = s[s.rindex(")") + 2:].split()  # comm may hold spaces and parentheses
+                    if len(fields) > 1:
+                        snap[int(name)] = int(fields[1])
+        _snapshot = (time.monotonic(), snap)
+        return snap
 
 
 def _read(path: str) -> str | None:
     try:
         with open(path, "rb") as f:
             return f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-
-
-def _stat_fields(pid: int) -> list[str]:
-    s = _read(f"/proc/{pid}/stat")
-    if not s or ")" not in s:
-        return []
-    return s[s.rindex(")") + 2:].split()  # comm may contain spaces and parentheses
-
-
-def _ppid(pid: int) -> int:
-    f = _stat_fields(pid)
-    return int(f[1]) if len(f) > 1 else -1
-
-
-def _pgid(pid: int) -> int:
-    f = _stat_fields(pid)
-    return int(f[2]) if len(f) > 2 else -1
-
-
-def _ns(pid: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
         return None
 
@@ -205,7 +201,7 @@ def kill_group(proc) -> None:
 
 
 async def execute(argv: Sequence[str], *, cwd: str, env: dict[str, str], limits: Limits,
-                  workdir: str | None, own_namespace: bool, pass_fds: Sequence[int] = ()) -> ExecResult:
+                  workdir: str | None, pass_fds: Sequence[int] = ()) -> ExecResult:
     """Run ``argv``, capture its output within the limits, watch its process tree."""
     t0 = time.monotonic()
     try:
@@ -218,7 +214,7 @@ async def execute(argv: Sequence[str], *, cwd: str, env: dict[str, str], limits:
     total = 0
     killed_for_output = False
     killed_for: list[str] = []
-    watch = TreeWatch(proc.pid, limits, workdir, own_namespace)
+    watch = TreeWatch(proc.pid, limits, workdir)
 
     async def pump():
         nonlocal total, killed_for_output

@@ -261,7 +261,7 @@ class Sandbox:
             await self.self_test(workdir)
         wd = os.path.abspath(workdir)
         return await execute(self.argv(command, wd, limits, binds), cwd=wd, env=self._exec_env(wd),
-                             limits=limits, workdir=wd, own_namespace=self.mode == "bwrap", pass_fds=pass_fds)
+                             limits=limits, workdir=wd, pass_fds=pass_fds)
 
     def _exec_env(self, wd: str) -> dict[str, str]:
         return self._env(wd) if self.mode == "none" else {"PATH": _SYSTEM_PATH}
@@ -273,7 +273,7 @@ class Sandbox:
         wd = os.path.abspath(workdir)
         lim = replace(self.limits, wall_s=30.0)
         res = await execute(self.argv("true", wd, lim), cwd=wd, env=self._exec_env(wd), limits=lim,
-                            workdir=None, own_namespace=self.mode == "bwrap")
+                            workdir=None)
         if res.exit_code != 0:
             self._checked = False
             raise SandboxError(f"the {self.mode} sandbox does not work on this machine "

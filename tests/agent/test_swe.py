@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_tg.agent import AgentHarness, run_standalone
-from megatron_tg.agent.swe.build import apply, build, candidates
+from megatron_tg.agent.swe.build import apply, build, candidates, verify
 from megatron_tg.agent.swe.formats import detect_format, task_from_swe_row
 from megatron_tg.agent.swe.sdist import SdistError, fetch_sdist
 from megatron_tg.agent.tasks import TaskFormatError, load_tasks
@@ -80,6 +80,8 @@ def test_builder_writes_swe_bench_rows_and_a_mirror(built):
         assert removed and all(ln.strip() not in r["problem_statement"] for ln in removed)  # not the bug itself
     tasks = load_tasks(out, repos_root=repos)
     assert [t.id for t in tasks] == [r["instance_id"] for r in rows]
+    # through the real grader: unchanged fails, the fix (applied with git apply) passes
+    assert verify(out, repos, log=lambda *a: None) == (2, 2, 2)
     assert tasks[0].repo == os.path.realpath(repos / "pytoolz__toolz") and tasks[0].base_commit == rows[0]["base_commit"]
 
 

@@ -151,7 +151,8 @@ def _git(git_dir: Path, *args: str, env: dict | None = None, input: bytes | None
                        cwd=env.get("GIT_WORK_TREE"), timeout=120)
     if r.returncode != 0:
         raise RuntimeError(f"git {args[0]} failed: {r.stderr.decode(errors='replace')[:400]}")
-    return r.stdout.decode().strip()
+    out = r.stdout.decode()
+    return out if args[0] == "diff" else out.strip()  # a diff needs its last newline
 
 
 def problem_statement(module: str, failures: dict[str, str], max_chars: int = 4000) -> str:
@@ -175,7 +176,7 @@ def build(tree: str | os.PathLike, *, repo: str, repos_root: str | os.PathLike, 
     if not passing:
         raise RuntimeError(f"no test of {test_paths} passes on the original tree {tree}")
     log(f"baseline: {len(passing)} of {len(baseline)} tests pass")
-    mirror = Path(repos_root, repo.replace("/", "__"))
+    mirror = Path(repos_root, repo.replace("/", "__")).resolve()  # git runs in the tree: no relative paths
     if mirror.exists():
         shutil.rmtree(mirror)
     mirror.mkdir(parents=True)
@@ -245,6 +246,44 @@ def build(tree: str | os.PathLike, *, repo: str, repos_root: str | os.PathLike, 
         shutil.rmtree(work, ignore_errors=True)
 
 
+def verify(out: str | os.PathLike, repos_root: str | os.PathLike, log=print) -> tuple[int, int, int]:
+    """Grade every instance of ``out`` twice through the real grader in a bwrap sandbox: the
+    unchanged workspace (must fail) and the workspace with the instance's fix applied (must
+    pass). Returns (instances, unchanged failing, fixed passing)."""
+    import asyncio
+
+    from megatron_tg.agent.grading import Grader
+    from megatron_tg.agent.proc import Limits
+    from megatron_tg.agent.sandbox import Sandbox, rmtree
+    from megatron_tg.agent.tasks import load_tasks, materialize
+
+    tasks = load_tasks(out, repos_root=repos_root)
+    fixes = {json.loads(ln)["instance_id"]: json.loads(ln)["patch"] for ln in open(out, encoding="utf-8") if ln.strip()}
+    sandbox = Sandbox("bwrap")
+    grader = Grader(sandbox, Limits(wall_s=300, cpu_s=300, memory_mb=4096, max_procs=64))
+    failing = passing = 0
+    for t in tasks:
+        for fixed in (False, True):
+            ws = tempfile.mkdtemp(prefix="tg-verify-")
+            try:
+                materialize(t, ws)
+                if fixed:
+                    subprocess.run(["git", "apply", "-"], cwd=ws, input=fixes[t.id].encode(), check=True,
+                                   capture_output=True)
+                sandbox.adopt(ws, ws)
+                g = asyncio.run(grader.grade(t, ws))
+            finally:
+                rmtree(ws)
+            if fixed:
+                passing += g.passed
+            else:
+                failing += not g.passed
+            if g.passed != fixed:
+                log(f"{t.id}: {'fixed' if fixed else 'unchanged'} graded {'pass' if g.passed else 'fail'}: {g.reason}")
+    log(f"verified {len(tasks)} instances: unchanged fails {failing}/{len(tasks)}, fixed passes {passing}/{len(tasks)}")
+    return len(tasks), failing, passing
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -263,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the JSONL to write (rollout.tasks)")
     ap.add_argument("--max-instances", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verify", action="store_true", help="then grade every instance unchanged and fixed "
+                    "through the real grader (needs bubblewrap)")
     a = ap.parse_args(argv)
     if a.sdist and not a.sha256:
         ap.error("--sdist needs --sha256 (the archive is checked before it is unpacked)")
@@ -271,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = build(tree, repo=a.repo, repos_root=a.repos_root, out=a.out, package_dirs=a.package, test_paths=a.tests,
                  max_instances=a.max_instances, seed=a.seed, version=version)
     print(f"wrote {len(rows)} instances to {a.out}; mirror under {a.repos_root}")
+    if a.verify and rows:
+        n, failing, passing = verify(a.out, a.repos_root)
+        return 0 if failing == passing == n else 1
     return 0 if rows else 1
 
 
