@@ -8,7 +8,7 @@ from typing import List, Optional
 from megatron_tg.config.base import ConfigError, check_choice, check_range
 
 ENGINES = ("embedded", "sglang")
-SANDBOXES = ("bwrap", "none")
+SANDBOXES = ("bwrap", "none", "apptainer", "enroot", "pyxis")
 TOOL_CALL_READINGS = ("strict", "sglang")  # megatron_tg.chat.tool_reading.READINGS
 STALE_POLICIES = ("drop", "regenerate")
 PAUSE_MODES = ("in_place", "retract", "abort")
@@ -94,7 +94,27 @@ class RolloutConfig:
 
     sandbox: str = "bwrap"
     """Isolation of the tool calls that run model-written code: "bwrap" = bubblewrap with no
-    network and a read-only root; "none" = run directly (needs ``allow_unsandboxed``)."""
+    network, only system directories and the Python environment bound read-only; "apptainer",
+    "enroot", "pyxis" = the task's per-instance container image (``image`` in the task row)
+    run by that runtime; "none" = run directly (needs ``allow_unsandboxed``)."""
+
+    sandbox_url: Optional[str] = None
+    """Base URL of a remote environment worker (``python -m megatron_tg.agent.remote serve``
+    on a CPU node) that holds the workspaces, runs the tools and grades; None = run them in
+    this process."""
+
+    sandbox_token_file: Optional[str] = None
+    """File holding the shared secret the remote environment worker requires (sent as a
+    bearer token); required with ``sandbox_url``."""
+
+    repos_root: Optional[str] = None
+    """Directory holding the local git mirrors (or source trees) that task rows name in
+    ``repo``; a row whose repo resolves outside it is refused. None = the task file's own
+    directory."""
+
+    workspace_root: Optional[str] = None
+    """Where workspaces are created (one directory per run, removed at exit; those of a dead
+    run are removed when the next one starts). None = the system temp directory."""
 
     allow_unsandboxed: bool = False
     """Explicit consent to ``sandbox=none``; model-written code then runs with your permissions."""
@@ -110,10 +130,16 @@ class RolloutConfig:
     """Wall-clock limit of one run_shell / run_tests call; also its CPU-seconds limit."""
 
     tool_memory_mb: int = 2048
-    """Address-space limit of each sandboxed process (prlimit --as)."""
+    """Memory of one tool call: resident memory summed over all its processes, and the
+    address space of each (prlimit --as)."""
 
     tool_max_procs: int = 64
-    """Most processes a sandboxed command may run at once (prlimit --nproc; stops fork bombs)."""
+    """Most processes a sandboxed command may run at once, counted over the whole call (its
+    pid namespace) and per user (prlimit --nproc; stops fork bombs)."""
+
+    tool_disk_mb: int = 1024
+    """Disk quota of one workspace (allocated blocks): a command that grows it past this is
+    killed, and a workspace over it is graded as failing."""
 
     tool_output_chars: int = 8192
     """Most characters of one tool result shown to the agent; the rest is cut with a note."""
@@ -147,7 +173,7 @@ class RolloutConfig:
                               f"{self.group_size} (room for one whole group); got {self.max_inflight_rollouts}")
         for name in ("tool_timeout_s", "test_timeout_s"):
             check_range(f"rollout.{name}", getattr(self, name), gt=0)
-        for name in ("tool_memory_mb", "tool_max_procs", "tool_output_chars", "search_default_lines"):
+        for name in ("tool_memory_mb", "tool_max_procs", "tool_disk_mb", "tool_output_chars", "search_default_lines"):
             check_range(f"rollout.{name}", getattr(self, name), ge=1)
         for name in ("num_engines", "engine_tp", "prompts_per_step", "max_new_tokens", "max_turns",
                      "buffer_size", "sync_bucket_mb"):
@@ -163,6 +189,9 @@ class RolloutConfig:
         if self.buffer_size < self.prompts_per_step:
             raise ConfigError(f"rollout.buffer_size: must hold one step's groups "
                               f"(rollout.prompts_per_step={self.prompts_per_step}); got {self.buffer_size}")
+        if self.sandbox_url is not None and not self.sandbox_token_file:
+            raise ConfigError(f"rollout.sandbox_token_file: required with rollout.sandbox_url="
+                              f"{self.sandbox_url!r} (the worker runs model-written code); got None")
         if self.sandbox == "none" and not self.allow_unsandboxed:
             raise ConfigError("rollout.sandbox: 'none' runs model-written code unconfined; "
                               "set rollout.allow_unsandboxed=true to accept that; got 'none'")
