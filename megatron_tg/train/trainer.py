@@ -31,6 +31,7 @@ from megatron_tg.train.optim import build_optimizer
 from megatron_tg.train.policy import unwrap
 from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
 
+_EXTREMA = ("_max", "_min")  # metric keys combined by max/min, not averaged
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -171,6 +172,7 @@ class Trainer:
         budget = self.cfg.optimizer.micro_batch_tokens
         self.optimizer.zero_grad()
         sums: dict[str, float] = {}
+        extrema: dict[str, float] = {}
         micro = split_by_tokens(samples, budget)
         batches = [build_micro_batch(group, self.tokenizer, self.cfg.objective, row_tokens=budget,
                                      pad_multiple=tp, framing=self.cfg.judge.feedback_role,
@@ -198,7 +200,12 @@ class Trainer:
             out.loss.backward()
             for k, v in {"loss": out.loss, **out.metrics}.items():
                 v = float(v)
-                if not math.isnan(v):  # e.g. gated entropy of a micro-batch with no gate
+                if math.isnan(v):  # e.g. gated entropy of a micro-batch with no gate
+                    continue
+                if k.endswith(_EXTREMA):  # a maximum/minimum stays one over micro-batches
+                    pick = max if k.endswith("_max") else min
+                    extrema[k] = pick(extrema.get(k, v), v)
+                else:
                     sums[k] = sums.get(k, 0.0) + v * (len(group) if k != "loss" else 1.0)
         from megatron.core.distributed import finalize_model_grads
 
@@ -208,6 +215,7 @@ class Trainer:
         self._update_expert()
         self.step += 1
         metrics = {k: (v if k == "loss" else v / len(samples)) for k, v in sums.items()}
+        metrics.update(extrema)
         metrics.update({f"optim/{k}": v for k, v in opt_metrics.items()})
         metrics["optim/lr"] = self.optimizer.lr
         metrics["train/micro_batches"] = len(micro)
@@ -242,8 +250,14 @@ class Trainer:
         everyone: list[dict[str, float]] = [{} for _ in range(size)]
         dist.all_gather_object(everyone, metrics, group=group)
         keys = sorted({k for m in everyone for k in m})
-        return {k: sum(m[k] for m in everyone if k in m) / sum(1 for m in everyone if k in m)
-                for k in keys}
+        out = {}
+        for k in keys:
+            have = [m[k] for m in everyone if k in m]
+            if k.endswith(_EXTREMA):
+                out[k] = max(have) if k.endswith("_max") else min(have)
+            else:
+                out[k] = sum(have) / len(have)
+        return out
 
     @property
     def gpt(self):
