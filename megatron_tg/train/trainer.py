@@ -27,6 +27,7 @@ from megatron_tg.parallel.dims import Axis
 from megatron_tg.parallel.state import init_parallel
 from megatron_tg.train.batching import TrainSample, build_micro_batch
 from megatron_tg.train.checkpoint import Checkpointer
+from megatron_tg.train.ema import ShardedEMA
 from megatron_tg.train.optim import build_optimizer
 from megatron_tg.train.policy import unwrap
 from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
@@ -78,6 +79,9 @@ class Trainer:
                                          distributed=p.use_distributed_optimizer,
                                          bf16=dtype == torch.bfloat16)
         self.expert_model = self._build_expert(model, dtype)
+        # The EMA expert's fp32 average, sharded like the optimizer's fp32 main parameters.
+        self.ema = (ShardedEMA(self.optimizer, self.expert_model, model, cfg.objective.ema_decay)
+                    if cfg.objective.expert == "ema" else None)
         # Only the live-weight expert shares the student's keys/values.
         self.prefix_reuse = cfg.objective.expert == "shared" and cfg.objective.expert_prefix_reuse
         self.objective = TGObjective(cfg.objective, group=self.ctx.group(Axis.TP),
@@ -118,7 +122,9 @@ class Trainer:
 
         Memory: one more copy of this rank's parameter shard (no gradients, no optimizer
         state). Qwen3-Coder-30B-A3B under recipes/tg_30b.yaml (TP=2, EP=8, ETP=1): 4.40B
-        parameters per rank, +8.2 GiB in bf16 per GPU (from ``megatron-tg describe``).
+        parameters per rank, +8.2 GiB in bf16 per GPU (from ``megatron-tg describe``). The
+        "ema" expert adds its fp32 average, sharded over DP like the optimizer's main
+        parameters (:mod:`megatron_tg.train.ema`): 4 B per parameter / DP size.
         """
         kind = self.cfg.objective.expert
         if kind == "shared":
@@ -131,14 +137,6 @@ class Trainer:
             param.requires_grad_(False)
         return expert.eval()
 
-    @torch.no_grad()
-    def _update_expert(self) -> None:
-        if self.expert_model is None or self.cfg.objective.expert != "ema":
-            return
-        d = self.cfg.objective.ema_decay
-        for pe, p in zip(self.expert_model.parameters(), self.gpt.parameters()):
-            pe.lerp_(p.detach().to(pe.dtype), 1.0 - d)
-
     def resume(self) -> dict[str, Any] | None:
         """Load the newest checkpoint if there is one; returns its trainer state."""
         if not self.cfg.checkpoint.resume:
@@ -146,7 +144,8 @@ class Trainer:
         path = self.checkpointer.latest()
         if path is None:
             return None
-        state = self.checkpointer.load(path, self.model, self.optimizer, self.expert_model)
+        state = self.checkpointer.load(path, self.model, self.optimizer, self.expert_model,
+                                       self.ema)
         self.step = int(state["step"])
         if "objective" in state:
             self.objective.guard.load_state_dict(state["objective"])
@@ -155,7 +154,7 @@ class Trainer:
     def save(self, extra: dict[str, Any]) -> str:
         state = {"objective": self.objective.guard.state_dict(), **extra}
         return str(self.checkpointer.save(self.step, self.model, self.optimizer, state,
-                                          self.expert_model))
+                                          self.expert_model, self.ema))
 
     # ---- training ----------------------------------------------------------------------
     def _lr(self) -> float:
@@ -212,7 +211,8 @@ class Trainer:
         finalize_model_grads([self.model])
         self.optimizer.lr = self._lr()
         opt_metrics = self.optimizer.step()
-        self._update_expert()
+        if self.ema is not None:
+            self.ema.update()
         self.step += 1
         metrics = {k: (v if k == "loss" else v / len(samples)) for k, v in sums.items()}
         metrics.update(extrema)
