@@ -59,9 +59,13 @@ def importance_weights(old: torch.Tensor, behaviour: torch.Tensor,
     return raw, raw.clamp(max=cfg.tis_cap), raw > cfg.tis_cap
 
 
-def policy_gradient_term(logp: torch.Tensor, batch: PolicyBatch,
-                         cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO loss for this micro-batch and its metrics (detached 0-dim tensors)."""
+def policy_gradient_term(logp: torch.Tensor, batch: PolicyBatch, cfg: ObjectiveConfig,
+                         rows: dict[str, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO loss for this micro-batch and its metrics (detached 0-dim tensors).
+
+    ``rows``, when given, receives ``is_weight`` [N]: the applied importance weight per row
+    (1 without correction), for per-turn records."""
     mask = batch.loss_mask.to(logp.dtype)
     adv = batch.advantages.to(logp.dtype)[batch.rollout_index]
     behaviour = batch.behaviour_logprobs.to(logp.dtype)
@@ -91,6 +95,8 @@ def policy_gradient_term(logp: torch.Tensor, batch: PolicyBatch,
         total = batch.num_assistant_tokens if batch.num_assistant_tokens is not None else mask.sum()
         loss = per_token.sum() / torch.as_tensor(total, dtype=logp.dtype).clamp(min=1.0)
 
+    if rows is not None:
+        rows["is_weight"] = weight.detach() if use_tis else torch.ones_like(logp).detach()
     with torch.no_grad():
         metrics = {**_ratio_metrics(ratio, adv, mask, cfg),
                    **(_weight_metrics(raw_w, weight, outside, old - behaviour, mask) if use_tis

@@ -30,6 +30,7 @@ from megatron_tg.train.checkpoint import Checkpointer
 from megatron_tg.train.ema import ShardedEMA
 from megatron_tg.train.optim import build_optimizer
 from megatron_tg.train.policy import unwrap
+from megatron_tg.train.samples import TurnStats, TurnStatsAccumulator
 from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
 
 _EXTREMA = ("_max", "_min")  # metric keys combined by max/min, not averaged
@@ -91,6 +92,8 @@ class Trainer:
             tok_dir if os.path.isdir(tok_dir) else os.path.dirname(tok_dir))
         self.checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         self.step = 0
+        self.turn_stats: TurnStats = {}
+        """Per (rollout, turn): loss/gated tokens, mean KL, mean IS weight of the last step."""
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_initial_weights(self, model) -> None:
@@ -181,6 +184,7 @@ class Trainer:
         totals = dict(num_rollouts=len(samples),
                       num_assistant_tokens=float(sum(int(mb.loss_mask.sum()) for mb in batches)),
                       num_gated_tokens=float(sum(float(mb.gate.sum()) for mb in batches)))
+        turn_stats = TurnStatsAccumulator() if self.cfg.logging.samples_per_step else None
         plan = self._lockstep_plan(batches)
         for i, need_expert in enumerate(plan):
             padding = i >= len(batches)
@@ -197,6 +201,8 @@ class Trainer:
                 continue
             group = micro[i]
             out.loss.backward()
+            if turn_stats is not None:
+                turn_stats.add(mb, group, out.rows)
             for k, v in {"loss": out.loss, **out.metrics}.items():
                 v = float(v)
                 if math.isnan(v):  # e.g. gated entropy of a micro-batch with no gate
@@ -220,6 +226,8 @@ class Trainer:
         metrics["optim/lr"] = self.optimizer.lr
         metrics["train/micro_batches"] = len(micro)
         metrics = self._mean_over_dp(metrics)
+        if turn_stats is not None:
+            self.turn_stats = self._union_over_dp(turn_stats.result())
         event = self.objective.end_step(metrics.get("entropy/gated"))
         if event is not None:
             metrics["kl/guard_event"] = 1.0
@@ -239,6 +247,16 @@ class Trainer:
         flags[: len(own)] = torch.tensor(own, dtype=torch.long)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return [bool(f) for f in flags.tolist()]
+
+    def _union_over_dp(self, stats: TurnStats) -> TurnStats:
+        """Every DP rank's per-turn records, on every rank (rollout ids are disjoint)."""
+        group = self.ctx.group(Axis.DP)
+        size = dist.get_world_size(group)
+        if size == 1:
+            return stats
+        everyone: list[TurnStats] = [{} for _ in range(size)]
+        dist.all_gather_object(everyone, stats, group=group)
+        return {rid: turns for part in everyone for rid, turns in part.items()}
 
     def _mean_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
         """Mean of each metric over the DP ranks that have it (ranks may lack a metric, e.g.
