@@ -24,6 +24,7 @@ from megatron_tg.config.schema import TGConfig
 from megatron_tg.parallel.ports import free_port
 from megatron_tg.train.manifest import write_manifest
 from megatron_tg.train.metrics import MetricsLogger
+from megatron_tg.train.samples import SampleRecorder
 from megatron_tg.train.scatter import scatter_by_tokens
 from megatron_tg.train.trainer import Trainer
 from megatron_tg.train.weight_sync import push_weights
@@ -92,6 +93,8 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
          else f"starting at step 0 of {cfg.steps}")
     log = MetricsLogger(cfg.logging, cfg.logging.run_dir, enabled=rank0,
                         total_steps=cfg.steps, start_step=trainer.step)
+    records = SampleRecorder(cfg.logging, cfg.logging.run_dir, enabled=rank0,
+                             start_step=trainer.step, tokenizer=trainer.tokenizer)
     code = EXIT_DONE
     try:
         while trainer.step < cfg.steps:
@@ -109,6 +112,8 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
                             "time/step": time.perf_counter() - t0,
                             "throughput/train_tokens_per_s": tokens / max(t2 - t1, 1e-9)})
             log.log(trainer.step, metrics)
+            if rank0:
+                records.write(trainer.step, side.last_judged, batch[0], trainer.turn_stats)
             stopping = stop.agreed()
             if stopping or trainer.step % cfg.checkpoint.interval == 0 or trainer.step == cfg.steps:
                 trainer.save({"rollouts": side.state_dict() if rank0 else None})  # checkpoint
