@@ -178,9 +178,12 @@ def test_rewards_weights_and_opsd_drops_non_primary():
     tg = ObjectiveConfig(criterion_weights={"markdown": 0.5})
     torch.testing.assert_close(combine_rewards(scores, names, tg),
                                torch.tensor([2.0, 1.5], dtype=torch.float64))
-    opsd = ObjectiveConfig(mode="opsd", criterion_weights={"markdown": 0.5})
+    opsd = ObjectiveConfig(mode="opsd", criterion_weights={"markdown": 0.5},
+                           primary_criteria=["tests_pass"])
     torch.testing.assert_close(combine_rewards(scores, names, opsd),
                                torch.tensor([1.0, 0.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="none are set"):  # unresolved: every reward would be 0
+        combine_rewards(scores, names, ObjectiveConfig(mode="opsd"))
     with pytest.raises(ValueError, match="rollouts"):
         combine_rewards(scores, names[:2], tg)
 

@@ -144,7 +144,7 @@ class WeightUpdateGroup:
 
 
 def broadcast_tensor(group: WeightUpdateGroup, tensor: torch.Tensor, src: int = 0) -> None:
-    # gloo silently corrupts broadcasts of non-contiguous tensors (see FACTS.md).
+    # gloo silently corrupts broadcasts of non-contiguous tensors (see docs/measurements.md).
     assert tensor.is_contiguous()
     group.pg.broadcast(tensor, src).wait()
 
