@@ -209,3 +209,31 @@ def test_builtin_tasks_reference_solutions_pass_and_starting_files_fail(grader):
     for t in tasks[:3]:
         g = grade(grader, {}, task=t)
         assert not g.passed, t.id
+
+
+def test_grading_as_an_unprivileged_caller():
+    """The user-namespace path end to end (run as `nobody` when we are root): a correct
+    solution the agent made unreadable passes, a wrong one fails."""
+    if os.geteuid() != 0:
+        pytest.skip("already unprivileged: the other tests of this file cover this path")
+    script = ("import asyncio, os, tempfile\n"
+              "from megatron_tg.agent.grading import Grader\n"
+              "from megatron_tg.agent.sandbox import Limits, Sandbox\n"
+              "from megatron_tg.agent.tasks import materialize, write_files\n"
+              "from tests.agent.test_grading import CORRECT, LIMITS, TASK, WRONG\n"
+              "sb = Sandbox('bwrap', limits=Limits(max_procs=512))\n"
+              "assert not sb.root\n"
+              "for code, lock in ((CORRECT, True), (WRONG, False)):\n"
+              "    ws = tempfile.mkdtemp()\n"
+              "    materialize(TASK, ws)\n"
+              "    write_files(ws, {'calc.py': code})\n"
+              "    if lock:\n"
+              "        os.chmod(os.path.join(ws, 'calc.py'), 0)\n"
+              "    g = asyncio.run(Grader(sb, LIMITS).grade(TASK, ws))\n"
+              "    print('GRADE', g.passed, g.reason)\n")
+    r = subprocess.run([shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                        "-c", script], env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"], "HOME": "/nonexistent"},
+                       capture_output=True, text=True, timeout=120, cwd="/")
+    grades = [ln for ln in r.stdout.splitlines() if ln.startswith("GRADE")]
+    assert r.returncode == 0 and len(grades) == 2, r.stdout + r.stderr
+    assert grades[0] == "GRADE True " and grades[1].startswith("GRADE False 2 of 3 required tests"), grades
