@@ -42,7 +42,7 @@ from megatron_tg.config.rollout import RolloutConfig
 from megatron_tg.rollout.client import SGLangClient
 from megatron_tg.rollout.manager import RolloutManager
 from megatron_tg.rollout.types import Rollout, Segment
-from megatron_tg.testing.distributed import free_port
+from megatron_tg.parallel.ports import free_port
 
 VOCAB = 300
 

@@ -36,6 +36,15 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "describe": Subcommand("megatron_tg.models.describe",
                            "parameter counts and per-rank shard sizes of an HF Qwen3(-MoE) "
                            "config, built on the meta device"),
+    "convert": Subcommand("megatron_tg.convert.command",
+                          "convert checkpoints: hf-to-megatron or megatron-to-hf"),
+    "vet": Subcommand("megatron_tg.judge.vetting",
+                      "vet a rubric's feedback strings: does the model with the feedback "
+                      "beat the model without it?"),
+    "demo": Subcommand("megatron_tg.demo.__main__",
+                       "the didactic main job on CPU: base model, GRPO / OPSD / TG, report"),
+    "plot": Subcommand("megatron_tg.train.plot",
+                       "draw runs' curves side by side (criterion rates, pass rate, entropy, KL)"),
 }
 
 

@@ -97,9 +97,21 @@ def test_subcommand_help_shows_its_own_options():
 
 
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
-def test_registered_modules_provide_add_arguments_and_run(name):
-    module = importlib.import_module(SUBCOMMANDS[name].module)
-    assert callable(module.add_arguments) and callable(module.run)
+def test_every_subcommand_parses_its_own_options(name, capsys):
+    """``megatron-tg NAME --help`` builds NAME's parser from its module's add_arguments and
+    prints its description; the parsed command dispatches to that module's run."""
+    from megatron_tg import cli as cli_mod
+
+    with pytest.raises(SystemExit) as exit_:
+        cli_mod.main([name, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: megatron-tg {name}") and SUBCOMMANDS[name].help.split()[0] in out
+    parser = cli_mod.build_parser([name])
+    sub = next(a for a in parser._actions if a.dest == "command").choices[name]
+    options = [a for a in sub._actions if a.dest != "help"]
+    assert options, f"{name} registers no arguments"
+    assert sub.get_default("_run") is importlib.import_module(SUBCOMMANDS[name].module).run
 
 
 def test_console_script_is_installed_and_runs():
@@ -110,3 +122,22 @@ def test_console_script_is_installed_and_runs():
                          capture_output=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "layout:" in out.stdout
+
+
+def test_convert_subcommand_runs_the_converter(tmp_path):
+    """``megatron-tg convert hf-to-megatron --dry-run`` reaches the converter's own planner
+    (the 30B model's published config.json, no weights)."""
+    import json
+    import shutil
+
+    shutil.copy(ROOT / "tests" / "fixtures" / "hf_configs" / "qwen3-coder-30b-a3b-instruct.json",
+                tmp_path / "config.json")
+    out = cli("convert", "hf-to-megatron", "--hf-dir", str(tmp_path), "--dry-run", "--tp", "2",
+              "--ep", "8")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout.strip().splitlines()[-1])
+    assert plan["layout"] == {"tp": 2, "ep": 8, "pp": 1, "etp": 2, "world_size": 16}
+    out = cli("convert", "megatron-to-hf", "--megatron-dir", str(tmp_path), "--out-dir",
+              str(tmp_path / "hf"))
+    assert out.returncode == 2 and "not a megatron torch_dist checkpoint" in out.stderr
+    assert not (tmp_path / "hf").exists()

@@ -40,7 +40,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from megatron_tg.rollout.types import Rollout, Span
+from megatron_tg.chat.tool_reading import AMBIGUOUS_IN_VALUE, READINGS, sglang_read
+from megatron_tg.rollout.types import FramingError, Rollout, Span  # noqa: F401 (re-exported)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -50,10 +51,6 @@ EXPERT_MODES = ("shared", "exact")
 # Neutral context used to render a message in isolation; only text diffs against it are used.
 _DUMMY_USER = {"role": "user", "content": "x"}
 _DUMMY_ASSISTANT = {"role": "assistant", "content": "y"}
-
-
-class FramingError(ValueError):
-    """The conversation / template / tokens do not line up as the framing requires."""
 
 
 # ---------------------------------------------------------------------- rendering primitives
@@ -200,9 +197,10 @@ def assistant_generation_text(tokenizer, message: Mapping[str, Any]) -> str:
 @dataclass
 class ToolCall:
     name: str
-    arguments: dict[str, str]
+    arguments: dict[str, str | None]
     """Parameter values as the raw strings between the tags (one leading/trailing newline
-    removed); typing them against the tool schema is the harness's job."""
+    removed); typing them against the tool schema is the harness's job. Under the "sglang"
+    reading a value the model wrote as ``null`` is None, as SGLang reads it."""
     start: int
     end: int  # character offsets of <tool_call>...</tool_call> in the parsed text
 
@@ -242,13 +240,17 @@ _PARAM_RE = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)
 _NAME_RE = re.compile(r"[A-Za-z_][\w.\-]*\Z")
 
 
-def parse_assistant(text: str, stop_tokens: Sequence[str] = ("<|im_end|>", "<|endoftext|>")) -> ParsedTurn:
+def parse_assistant(text: str, stop_tokens: Sequence[str] = ("<|im_end|>", "<|endoftext|>"),
+                    *, reading: str = "strict") -> ParsedTurn:
     """Split a generated turn into thinking / content / Qwen3-Coder XML tool calls.
 
     Never raises: malformed or unterminated calls become :class:`ToolCallError` entries (their
     text is not part of ``content``). ``<think>`` is recognised only at the start of the turn;
     a ``</think>`` without an opening tag is also accepted (templates that pre-fill ``<think>``).
+    ``reading``: "strict" or "sglang", see :mod:`megatron_tg.chat.tool_reading`.
     """
+    if reading not in READINGS:
+        raise ValueError(f"reading must be one of {READINGS}, got {reading!r}")
     terminated = False
     for st in stop_tokens:
         if text.endswith(st):
@@ -269,6 +271,8 @@ def parse_assistant(text: str, stop_tokens: Sequence[str] = ("<|im_end|>", "<|en
         close = text.find(THINK_CLOSE)
         thinking, body_start = text[:close].strip(), close + len(THINK_CLOSE)
 
+    if reading == "sglang":
+        return _sglang_turn(text, body_start, thinking, terminated)
     calls: list[ToolCall] = []
     content_parts: list[str] = []
     pos = body_start
@@ -302,6 +306,15 @@ def parse_assistant(text: str, stop_tokens: Sequence[str] = ("<|im_end|>", "<|en
     return ParsedTurn(thinking, content, calls, errors, terminated)
 
 
+def _sglang_turn(text: str, body_start: int, thinking: str | None, terminated: bool) -> ParsedTurn:
+    content, read, unread = sglang_read(text[body_start:])
+    calls = [ToolCall(name, args, body_start + s, body_start + e) for name, args, s, e in read]
+    errors = [ToolCallError("SGLang's qwen3_coder detector reads no call from this block",
+                            text[body_start + s:body_start + e], body_start + s, body_start + e)
+              for s, e in unread]
+    return ParsedTurn(thinking, content, calls, errors, terminated)
+
+
 def _parse_call(inner: str, start: int, end: int) -> ToolCall | ToolCallError:
     raw = CALL_OPEN + inner + CALL_CLOSE
     m = _FUNC_RE.match(inner)
@@ -325,6 +338,10 @@ def _parse_call(inner: str, start: int, end: int) -> ToolCall | ToolCallError:
         value = pm.group(2)
         value = value[1:] if value.startswith("\n") else value
         value = value[:-1] if value.endswith("\n") else value
+        markup = next((m for m in AMBIGUOUS_IN_VALUE if m in value), None)
+        if markup is not None:  # SGLang would read it as structure: not one meaning
+            return ToolCallError(f"value of parameter {pname!r} contains {markup!r}, which "
+                                 "SGLang's parser reads as a new tag", raw, start, end, name)
         args[pname] = value
         last = pm.end()
     tail = body[last:]

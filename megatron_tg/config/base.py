@@ -6,6 +6,7 @@ offending value, so a failing recipe or override can be fixed without reading th
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 
@@ -23,7 +24,11 @@ def check_choice(path: str, value: Any, choices: Iterable[Any]) -> None:
 
 def check_range(path: str, value: Any, *, ge: float | None = None, gt: float | None = None,
                 le: float | None = None, lt: float | None = None) -> None:
-    """``value`` must satisfy every bound given (``ge``: >=, ``gt``: >, ``le``: <=, ``lt``: <)."""
+    """``value`` must be a finite number satisfying every bound given (``ge``: >=, ``gt``: >,
+    ``le``: <=, ``lt``: <). Infinity and NaN are refused: YAML's ``.inf`` passes ``gt=0`` and
+    then overflows wherever the value becomes an integer (a timeout in seconds, a limit)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{path}: must be a finite number; got {value!r}")
     for bound, ok, sign in ((ge, lambda b: value >= b, ">="), (gt, lambda b: value > b, ">"),
                             (le, lambda b: value <= b, "<="), (lt, lambda b: value < b, "<")):
         if bound is not None and not ok(bound):

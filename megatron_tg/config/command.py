@@ -9,7 +9,6 @@ the layout, so both can be read back with ``yaml.safe_load_all``.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 
 import yaml
@@ -17,16 +16,10 @@ import yaml
 from megatron_tg.config.base import ConfigError
 from megatron_tg.config.loader import load_config, to_yaml
 from megatron_tg.config.schema import TGConfig
-from megatron_tg.parallel.dims import Axis, ParallelDims
+from megatron_tg.parallel.dims import Axis
 
 # Rank groups are listed only up to this world size; beyond it they stop being readable.
 MAX_LISTED_WORLD = 16
-
-# megatron-core's default rank order "tp-cp-ep-dp-pp", fastest-varying axis first. The dense
-# layers use it with ep folded into dp; the expert layers re-fold the same ranks with cp = 1.
-_DENSE_ORDER = (Axis.TP, Axis.CP, Axis.DP, Axis.PP)
-_EXPERT_ORDER = (Axis.ETP, Axis.EP, Axis.EDP, Axis.PP)
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", metavar="FILE",
@@ -100,18 +93,8 @@ def describe_layout(cfg: TGConfig, world_size: int) -> dict:
         rollout_gpus = engines * cfg.rollout.engine_tp
         out["gpus"] = _RowMap(train=world_size, rollout=rollout_gpus, total=world_size + rollout_gpus)
     if world_size <= MAX_LISTED_WORLD:
-        out["groups"] = {axis.value: _Row(rank_groups(dims, axis)) for axis in
+        out["groups"] = {axis.value: _Row(dims.rank_groups(axis)) for axis in
                          (Axis.TP, Axis.CP, Axis.DP, Axis.PP, Axis.EP, Axis.ETP, Axis.EDP)}
     else:
         out["groups"] = f"not listed for world_size > {MAX_LISTED_WORLD}"
     return out
-
-
-def rank_groups(dims: ParallelDims, axis: Axis) -> list[list[int]]:
-    """The ranks of every ``axis`` group, as megatron-core forms them with its default order."""
-    order = _DENSE_ORDER if axis in _DENSE_ORDER else _EXPERT_ORDER
-    sizes = [dims.size(a) for a in order]
-    i = order.index(axis)
-    stride, size = math.prod(sizes[:i]), sizes[i]
-    return [[base + k * stride for k in range(size)]
-            for base in range(dims.world_size) if (base // stride) % size == 0]

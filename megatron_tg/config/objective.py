@@ -19,6 +19,8 @@ KL_TOKEN_NORMALIZATIONS = ("rollout_gated", "rollout_assistant", "global")
 PG_TOKEN_NORMALIZATIONS = ("rollout", "global")
 EXPERTS = ("shared", "frozen", "ema")
 EXPERT_SEQUENCES = ("shared", "exact")
+OLD_LOGPROBS = ("student", "behaviour")
+TIS_MODES = ("truncate", "mask")
 
 
 @dataclass
@@ -112,12 +114,24 @@ class ObjectiveConfig:
     """PPO ratio clip, upper side. 0.28 > 0.2 ("clip-higher", DAPO) leaves room for raising
     low-probability tokens, the exploratory direction targeted guidance pushes towards."""
 
+    old_logprobs: str = "student"
+    """Where π_old (the PPO ratio's denominator and TIS's numerator) comes from when the batch
+    carries no ``old_logprobs``: "student" = the student pass's own log-probs, detached. That
+    is exact when one optimizer step consumes the batch (the trainer's only schedule: the
+    weights have not moved yet), and costs no extra forward pass; the ratio is then 1 and the
+    engine gap is corrected by TIS alone. "behaviour" = no π_old: the ratio is taken against
+    the engine's log-probs and TIS is off (the pre-correction behaviour, for ablations)."""
+
     tis_cap: float = 2.0
     """C of truncated importance sampling: the per-token, stop-gradient weight
     min(exp(logp_old − logp_behaviour), C) corrects the gap between the rollout engine's
-    log-probs (behaviour: other kernels, a few weight versions stale) and the trainer's
-    recomputed ``old_logprobs``. Applies only when the batch carries ``old_logprobs``; without
-    them the PPO ratio is taken against the behaviour log-probs directly. <= 0 disables it."""
+    log-probs (behaviour: other kernels, a few weight versions stale) and the trainer's π_old
+    (see ``old_logprobs``). <= 0 disables it."""
+
+    tis_mode: str = "truncate"
+    """"truncate" = weight min(w, tis_cap) (TIS); "mask" = weight w inside the band
+    [1/tis_cap, tis_cap] and 0 outside it (masked IS: tokens whose engine probability is far
+    from the trainer's are dropped rather than down-weighted)."""
 
     advantage_std_norm: bool = True
     """Divide group-centred rewards by the group's std (GRPO). False = Dr.GRPO-style centring only."""
@@ -128,8 +142,10 @@ class ObjectiveConfig:
     criterion_weights: Dict[str, float] = field(default_factory=dict)
     """Reward weight λ_i per criterion name; R = Σ_i w_i R_i. Criteria not listed weigh 1.0."""
 
-    primary_criteria: List[str] = field(default_factory=lambda: ["tests_pass"])
-    """Criteria that always count in the reward. In mode "opsd" these are the only ones that do."""
+    primary_criteria: List[str] = field(default_factory=list)
+    """Criteria that always count in the reward (task success); in mode "opsd" the only ones
+    that do. Empty (the default): the rubric's ``primary: true`` criteria. Names given here
+    replace the rubric's flags and must be criteria of the rubric."""
 
     expert: str = "shared"
     """Weights the expert forward runs with: "shared" = the live policy (paper), "frozen" = the
@@ -164,7 +180,8 @@ class ObjectiveConfig:
         for name, allowed in (("mode", MODES), ("kl_direction", KL_DIRECTIONS),
                               ("kl_token_normalization", KL_TOKEN_NORMALIZATIONS),
                               ("pg_token_normalization", PG_TOKEN_NORMALIZATIONS),
-                              ("expert", EXPERTS), ("expert_sequence", EXPERT_SEQUENCES)):
+                              ("expert", EXPERTS), ("expert_sequence", EXPERT_SEQUENCES),
+                              ("old_logprobs", OLD_LOGPROBS), ("tis_mode", TIS_MODES)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"objective.{name} must be one of {allowed}, got {value!r}")
@@ -176,6 +193,9 @@ class ObjectiveConfig:
             raise ValueError(f"objective.clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
         if self.clip_eps_high < 0:
             raise ValueError(f"objective.clip_eps_high must be >= 0, got {self.clip_eps_high}")
+        if self.tis_mode == "mask" and not self.tis_cap > 1.0:
+            raise ValueError(f"objective.tis_cap must be > 1 with tis_mode='mask' (the band "
+                             f"[1/tis_cap, tis_cap] would be empty), got {self.tis_cap}")
         if self.adv_eps <= 0:
             raise ValueError(f"objective.adv_eps must be > 0, got {self.adv_eps}")
         if not 0.0 <= self.ema_decay < 1.0:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,8 +51,8 @@ class ParallelConfig:
 
     @property
     def expert_tp(self) -> int:
-        """``etp`` with its default applied."""
-        return self.tp if self.etp is None else self.etp
+        """``etp`` with its default applied (:class:`ParallelDims` owns the rule)."""
+        return ParallelDims.resolve_etp(self.tp, self.etp)
 
     def validate(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "gpus_per_node"):
@@ -78,7 +77,8 @@ class ParallelConfig:
         """World size of the recipe's nodes, else the smallest world the layout fits in."""
         if self.nodes is not None:
             return self.nodes * self.gpus_per_node
-        return math.lcm(self.tp * self.cp * self.pp, self.expert_tp * self.ep * self.pp)
+        return ParallelDims.smallest_world(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                                           etp=self.etp)
 
     def dims(self, world_size: int) -> ParallelDims:
         """The layout for ``world_size`` ranks; a layout that does not divide is a ConfigError."""

@@ -9,6 +9,7 @@ from megatron_tg.config.base import ConfigError, check_choice, check_range
 
 ENGINES = ("embedded", "sglang")
 SANDBOXES = ("bwrap", "none", "apptainer", "enroot", "pyxis")
+TOOL_CALL_READINGS = ("strict", "sglang")  # megatron_tg.chat.tool_reading.READINGS
 STALE_POLICIES = ("drop", "regenerate")
 PAUSE_MODES = ("in_place", "retract", "abort")
 
@@ -118,6 +119,13 @@ class RolloutConfig:
     allow_unsandboxed: bool = False
     """Explicit consent to ``sandbox=none``; model-written code then runs with your permissions."""
 
+    tool_call_reading: str = "strict"
+    """How the harness (which executes calls) and the judge (which grades them) read the
+    model's Qwen3-Coder XML tool calls: "strict" = only calls every parser reads the same way
+    (ambiguous or unterminated ones are errors, never rewarded); "sglang" = SGLang's own
+    qwen3_coder detector, exactly what an SGLang deployment executes (needs sglang installed).
+    See megatron_tg/chat/tool_reading.py for the three inputs on which they differ."""
+
     tool_timeout_s: float = 30.0
     """Wall-clock limit of one run_shell / run_tests call; also its CPU-seconds limit."""
 
@@ -156,6 +164,7 @@ class RolloutConfig:
     def validate(self) -> None:
         check_choice("rollout.engine", self.engine, ENGINES)
         check_choice("rollout.sandbox", self.sandbox, SANDBOXES)
+        check_choice("rollout.tool_call_reading", self.tool_call_reading, TOOL_CALL_READINGS)
         check_choice("rollout.stale_policy", self.stale_policy, STALE_POLICIES)
         check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
         check_range("rollout.max_inflight_rollouts", self.max_inflight_rollouts, ge=0)
@@ -217,6 +226,18 @@ class JudgeConfig:
     """Retries of a failed judge request; after that the criterion counts as not judged and
     that rollout gets neither reward nor feedback for it (never a silent pass)."""
 
+    max_concurrency: int = 16
+    """Judge requests in flight at once (the judge server's batch; more only queue there)."""
+
+    max_transcript_chars: int = 200_000
+    """Characters of transcript per judge request; longer transcripts lose their middle
+    (marked), so a long rollout is judged on its task and its last turns instead of being
+    dropped. A rubric criterion's ``judge_budget_chars`` lowers it for that criterion."""
+
+    overflow_retries: int = 2
+    """Re-sends with a shorter transcript when the judge answers that the prompt exceeds its
+    context (HTTP 400 "context length"); not counted against ``max_retries``."""
+
     feedback_framing: str = "Feedback on your next response: {feedback}"
     """Text of the message inserted right before a failing turn in the expert's context;
     ``{feedback}`` is replaced by the failed criteria's feedback strings."""
@@ -230,6 +251,9 @@ class JudgeConfig:
                               f"({self.endpoint!r}); got {self.model!r}")
         check_range("judge.timeout_s", self.timeout_s, gt=0)
         check_range("judge.max_retries", self.max_retries, ge=0)
+        check_range("judge.max_concurrency", self.max_concurrency, ge=1)
+        check_range("judge.max_transcript_chars", self.max_transcript_chars, ge=1000)
+        check_range("judge.overflow_retries", self.overflow_retries, ge=0)
         check_choice("judge.feedback_role", self.feedback_role, FEEDBACK_ROLES)
         if FEEDBACK_PLACEHOLDER not in self.feedback_framing:
             raise ConfigError(f"judge.feedback_framing: must contain {FEEDBACK_PLACEHOLDER}; "

@@ -68,21 +68,52 @@ def read_header(path: Path) -> dict:
             header = json.loads(f.read(hlen))
         except ValueError as exc:
             raise ConversionError(f"{path.name}: unreadable safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path.name}: safetensors header is a JSON "
+                              f"{type(header).__name__}, not an object of tensor entries")
     header.pop("__metadata__", None)
     data = size - 8 - hlen
-    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    spans: list[tuple[int, int, str]] = []
+    for name, v in header.items():
+        lo, hi = _entry_span(path.name, name, v)
+        if v["dtype"] not in ST_DTYPES:
+            raise ConversionError(f"{path.name}: tensor {name} has unsupported dtype {v['dtype']}")
+        if hi - lo != nbytes(v["shape"], ST_DTYPES[v["dtype"]]):
+            raise ConversionError(f"{path.name}: tensor {name} has inconsistent offsets "
+                                  f"({lo}, {hi}) for shape {v['shape']} {v['dtype']}")
+        spans.append((lo, hi, name))
+    end = max((hi for _, hi, _ in spans), default=0)
     if end > data:
         raise ConversionError(
             f"{path.name}: truncated safetensors file: its header describes {end} bytes of "
             f"tensor data but the file holds {data} ({size} bytes on disk, "
             f"{end - data} missing)")
-    for name, v in header.items():
-        lo, hi = (int(x) for x in v["data_offsets"])
-        if v["dtype"] not in ST_DTYPES:
-            raise ConversionError(f"{path.name}: tensor {name} has unsupported dtype {v['dtype']}")
-        if hi - lo != nbytes(v["shape"], ST_DTYPES[v["dtype"]]):
-            raise ConversionError(f"{path.name}: tensor {name} has inconsistent offsets")
+    # safetensors' own loader refuses overlapping tensors; refuse them here too, in the
+    # parent, rather than in a worker half-way through a conversion.
+    spans.sort()
+    for (lo0, hi0, a), (lo1, hi1, b) in zip(spans, spans[1:]):
+        if lo1 < hi0 and hi1 > lo1:
+            raise ConversionError(f"{path.name}: tensors {a} [{lo0}, {hi0}) and {b} "
+                                  f"[{lo1}, {hi1}) overlap")
     return header
+
+
+def _entry_span(fname: str, name: str, v) -> tuple[int, int]:
+    """A header entry's ``data_offsets``, after checking the entry has the fields safetensors
+    defines (``dtype``, ``shape``, ``data_offsets``) with the right types."""
+    if not isinstance(v, dict):
+        raise ConversionError(f"{fname}: header entry {name!r} is a JSON "
+                              f"{type(v).__name__}, not an object")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in v]
+    if missing:
+        raise ConversionError(f"{fname}: header entry {name!r} lacks {', '.join(missing)}")
+    shape, offs = v["shape"], v["data_offsets"]
+    if not (isinstance(shape, list) and all(isinstance(x, int) and x >= 0 for x in shape)):
+        raise ConversionError(f"{fname}: tensor {name} has a bad shape {shape!r}")
+    if not (isinstance(offs, list) and len(offs) == 2
+            and all(isinstance(x, int) and x >= 0 for x in offs) and offs[0] <= offs[1]):
+        raise ConversionError(f"{fname}: tensor {name} has bad data_offsets {offs!r}")
+    return offs[0], offs[1]
 
 
 class HFCheckpoint:

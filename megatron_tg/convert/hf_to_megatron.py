@@ -4,7 +4,7 @@ Design:
 - The parent process reads only config.json and the safetensors *headers*, and refuses
   bad input (unsupported config field, truncated file, missing/unexpected/misshapen
   tensors, occupied output dir) before any worker starts or anything is written.
-- ``world = pp * lcm(tp, ep * etp)`` gloo workers (spawned, loopback) each build only their
+- ``ParallelDims.smallest_world`` (``pp * lcm(tp, ep * etp)``) gloo workers (spawned, loopback) each build only their
   megatron shard (``perform_initialization=False``: no random init), fill it from the HF
   tensors it needs (sliced reads copied from the file's memory map straight into the
   parameters, one at a time, :mod:`.slicing`), and call
@@ -21,7 +21,6 @@ Design:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,40 +47,11 @@ from megatron_tg.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    ep: int = 1
-    pp: int = 1
-    etp: int | None = None
-
-    @property
-    def etp_(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    @property
-    def world(self) -> int:
-        # The fewest ranks on which both the dense (tp x pp) and the expert
-        # (etp x ep x pp) decompositions tile the world.
-        return self.pp * math.lcm(self.tp, self.ep * self.etp_)
-
-    def dims(self, arch: Qwen3Arch) -> ParallelDims:
-        dims = ParallelDims(world_size=self.world, tp=self.tp, pp=self.pp, ep=self.ep,
-                            etp=self.etp_)
-        dims.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
-                         num_query_groups=arch.num_key_value_heads, num_experts=arch.num_experts)
-        return dims
-
-    def as_dict(self) -> dict[str, int]:
-        return {"tp": self.tp, "ep": self.ep, "pp": self.pp, "etp": self.etp_,
-                "world_size": self.world}
-
-
-@dataclass(frozen=True)
 class WriteJob:
     hf_dir: str
     entries: dict            # LazyReader catalogue: name -> (file, dtype code, shape)
     config: dict
-    layout: Layout
+    layout: ParallelDims
     dtype: str               # megatron params dtype
     out_dir: str             # the temporary dir
     vocab_pad_multiple: int = 128
@@ -111,10 +81,10 @@ def _write_worker(rank: int, world: int, job: WriteJob) -> dict[str, Any]:
     mem = MemoryTracker()
     t0 = time.perf_counter()
     lay = job.layout
-    init_parallel(tp=lay.tp, ep=lay.ep, pp=lay.pp, etp=lay.etp_)
+    init_parallel(lay)
     mem.mark_baseline()
     arch = Qwen3Arch.from_hf(job.config)
-    model = build_model(arch, tp=lay.tp, ep=lay.ep, pp=lay.pp, etp=lay.etp_,
+    model = build_model(arch, tp=lay.tp, ep=lay.ep, pp=lay.pp, etp=lay.etp,
                         params_dtype=dtype_from_name(job.dtype), perform_initialization=False,
                         vocab_pad_multiple=job.vocab_pad_multiple)
     layout = current_layout(job.vocab_pad_multiple, model=model)  # with the PP layer offset
@@ -158,9 +128,9 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
     cfg = _load_config(hf_dir)
-    arch = Qwen3Arch.from_hf(cfg)                 # UnsupportedConfigError names the field
-    layout = Layout(tp=tp, ep=ep, pp=pp, etp=etp)
-    layout.dims(arch)                             # LayoutError names the sizes
+    arch = Qwen3Arch.from_hf(cfg, source=str(hf_dir / "config.json"))  # names file + field
+    layout = ParallelDims.smallest(tp=tp, ep=ep, pp=pp, etp=etp)
+    layout.check_arch(arch)                       # LayoutError names the sizes
     check_output_dir(out_dir, overwrite)          # before reading any tensor data
     ckpt = HFCheckpoint(hf_dir)                   # truncation / index checks
     ckpt.validate(arch)                           # missing / unexpected / shapes
@@ -174,7 +144,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
                       layout=layout, dtype=dtype_name(dtype),
                       vocab_pad_multiple=vocab_pad_multiple, progress=progress)
     with staged_output(out_dir, overwrite) as tmp:
-        ranks = launch(_write_worker, layout.world, WriteJob(out_dir=str(tmp), **job_kwargs),
+        ranks = launch(_write_worker, layout.world_size, WriteJob(out_dir=str(tmp), **job_kwargs),
                        timeout_s=timeout_s)
         with quiet_megatron():
             from megatron.core import dist_checkpointing
@@ -185,7 +155,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
                        "name": cfg.get("_name_or_path") or hf_dir.resolve().name},
             "architecture": arch_dict(arch),
             "hf_dtype": dtype_name(dtype), "megatron_dtype": dtype_name(dtype),
-            "writer_layout": {**layout.as_dict(), "vocab_pad_multiple": vocab_pad_multiple},
+            "writer_layout": {**layout.sizes(), "vocab_pad_multiple": vocab_pad_multiple},
             "tensor_count": {"hf": len(ckpt.entries), "megatron": n_megatron},
             "bytes": ckpt.total_bytes,
             "hf_files": copied,

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from megatron_tg.convert.common import ConversionError, silence_known_warnings, worker_threads
-from megatron_tg.testing.distributed import free_port
+from megatron_tg.parallel.ports import free_port
 
 # Errors whose message is the whole story; anything else is reported with its traceback.
 _CLEAN = ("ConversionError", "UnsupportedConfigError", "MappingError", "LayoutError")

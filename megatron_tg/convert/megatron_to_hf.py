@@ -1,7 +1,7 @@
 """megatron-core torch_dist checkpoint -> Hugging Face safetensors (``from_pretrained``-ready).
 
 Design:
-- ``world = pp * lcm(tp, ep * etp)`` gloo workers load the checkpoint at the requested
+- ``ParallelDims.smallest_world`` (``pp * lcm(tp, ep * etp)``) gloo workers load the checkpoint at the requested
   reading layout (megatron reshards on load). Before loading, every rank compares the
   tensor keys it will request with the checkpoint's and all ranks agree on one error
   naming missing / unexpected / misshapen tensors.
@@ -47,11 +47,12 @@ from megatron_tg.convert.hf_io import (
     copy_side_files,
     pack_files,
 )
-from megatron_tg.convert.hf_to_megatron import ConversionResult, Layout
+from megatron_tg.convert.hf_to_megatron import ConversionResult
 from megatron_tg.convert.launch import launch
 from megatron_tg.convert.metadata import arch_mismatch, read_metadata
 from megatron_tg.convert.outdir import check_output_dir, staged_output
 from megatron_tg.models.qwen3_moe.config import Qwen3Arch, load_hf_config_dict
+from megatron_tg.parallel.dims import ParallelDims
 
 # Checkpoint keys that belong to the model (a training checkpoint also holds optimizer.*,
 # rng_state, ... which export ignores).
@@ -63,7 +64,7 @@ class ExportJob:
     megatron_dir: str
     out_dir: str
     config: dict
-    layout: Layout
+    layout: ParallelDims
     dtype: str        # megatron params dtype
     hf_dtype: str     # dtype written to safetensors
     max_shard_bytes: int
@@ -144,10 +145,10 @@ def _export_worker(rank: int, world: int, job: ExportJob) -> dict[str, Any]:
     mem = MemoryTracker()
     t0 = time.perf_counter()
     lay = job.layout
-    init_parallel(tp=lay.tp, ep=lay.ep, pp=lay.pp, etp=lay.etp_)
+    init_parallel(lay)
     mem.mark_baseline()
     arch = Qwen3Arch.from_hf(job.config)
-    model = build_model(arch, tp=lay.tp, ep=lay.ep, pp=lay.pp, etp=lay.etp_,
+    model = build_model(arch, tp=lay.tp, ep=lay.ep, pp=lay.pp, etp=lay.etp,
                         params_dtype=dtype_from_name(job.dtype), perform_initialization=False,
                         vocab_pad_multiple=job.vocab_pad_multiple)
     with mem.watch():
@@ -231,6 +232,31 @@ def _is_torch_dist(path: Path) -> bool:
     return meta.get("sharded_backend") == "torch_dist"
 
 
+def check_storage_files(dist_dir: Path) -> None:
+    """Refuse a torch_dist checkpoint whose ``.distcp`` files are shorter than its metadata
+    says (a truncated copy or an interrupted save), here in the parent, before any worker
+    reads a byte: otherwise the failure is an ``EOFError`` deep inside a worker."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(dist_dir)).read_metadata().storage_data or {}
+    except Exception as exc:  # noqa: BLE001 - any unreadable metadata is the same problem
+        raise ConversionError(f"{dist_dir}: unreadable checkpoint metadata (.metadata): "
+                              f"{type(exc).__name__}: {exc}") from None
+    need: dict[str, int] = {}
+    for info in storage.values():
+        end = int(info.offset) + int(info.length)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for rel, end in sorted(need.items()):
+        path = dist_dir / rel
+        if not path.exists():
+            raise ConversionError(f"{path}: missing (the checkpoint's metadata names it)")
+        size = path.stat().st_size
+        if size < end:
+            raise ConversionError(f"{path}: truncated: the checkpoint's metadata needs {end} "
+                                  f"bytes, the file has {size} ({end - size} missing)")
+
+
 def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
                            hf_config_dir: str | Path | None = None, tp: int = 1, ep: int = 1,
                            pp: int = 1, etp: int | None = None, max_shard_size: str | int = "5GB",
@@ -251,18 +277,19 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
         raise ConversionError(f"no config.json in {cfg_dir}" + ("" if hf_config_dir else
                               "; this checkpoint carries no HF config: pass --hf-config-dir"))
     cfg = load_hf_config_dict(cfg_dir)
-    arch = Qwen3Arch.from_hf(cfg)
+    arch = Qwen3Arch.from_hf(cfg, source=str(cfg_dir / "config.json"))
     if meta is not None:
         diff = arch_mismatch(arch, meta["architecture"])
         if diff:
             raise ConversionError(f"{cfg_dir / 'config.json'} describes a different model than "
                                   f"the checkpoint: {'; '.join(diff)}")
-    layout = Layout(tp=tp, ep=ep, pp=pp, etp=etp)
-    layout.dims(arch)
+    layout = ParallelDims.smallest(tp=tp, ep=ep, pp=pp, etp=etp)
+    layout.check_arch(arch)
     check_output_dir(out_dir, overwrite)
     with quiet_megatron():
         from megatron.core import dist_checkpointing
 
+    check_storage_files(dist_dir)
     stored = dist_checkpointing.load_tensors_metadata(str(dist_dir))
     dtype = dtype_from_name(meta["megatron_dtype"]) if meta else \
         next(v.dtype for k, v in stored.items() if k.startswith(MODEL_KEY_PREFIXES))
@@ -273,7 +300,7 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
                       max_shard_bytes=parse_size(max_shard_size), vocab_pad_multiple=pad,
                       progress=progress)
     with staged_output(out_dir, overwrite) as tmp:
-        ranks = launch(_export_worker, layout.world, ExportJob(out_dir=str(tmp), **job_kwargs),
+        ranks = launch(_export_worker, layout.world_size, ExportJob(out_dir=str(tmp), **job_kwargs),
                        timeout_s=timeout_s)
         weight_map = ranks[0]["weight_map"]
         total = sum(r["bytes_written"] for r in ranks)

@@ -15,6 +15,7 @@ import torch
 
 from megatron_tg.convert.common import config_dtype, dtype_name, human_bytes, quiet_megatron
 from megatron_tg.models.qwen3_moe.config import Qwen3Arch, load_hf_config_dict
+from megatron_tg.parallel.dims import ParallelDims
 
 # Measured in benchmarks/convert_throughput.py: a writer's peak heap above an idle rank is
 # about its shard times this (1.53-1.56 measured): megatron's torch_dist save clones the
@@ -39,27 +40,26 @@ def _hf_tensors_read(arch: Qwen3Arch, stage: int, pp: int, ep: int) -> int:
 
 def shard_plan(hf_config: Any, *, tp: int = 1, ep: int = 1, pp: int = 1,
                etp: int | None = None) -> dict[str, Any]:
-    from megatron_tg.convert.hf_to_megatron import Layout
     from megatron_tg.models.describe import built_shards, param_counts
 
 
     cfg = load_hf_config_dict(hf_config)
     arch = Qwen3Arch.from_hf(cfg)
-    layout = Layout(tp=tp, ep=ep, pp=pp, etp=etp)
-    layout.dims(arch)
+    layout = ParallelDims.smallest(tp=tp, ep=ep, pp=pp, etp=etp)
+    layout.check_arch(arch)
     dtype = config_dtype(cfg) or torch.bfloat16
     item = torch.empty((), dtype=dtype).element_size()
     with quiet_megatron():
-        stages = built_shards(arch, tp=tp, ep=ep, pp=pp, etp=layout.etp_, bytes_per_param=item)
+        stages = built_shards(arch, tp=tp, ep=ep, pp=pp, etp=layout.etp, bytes_per_param=item)
     per_rank = [{
-        "pp_stage": s["pp_stage"], "ranks": layout.world // pp,
+        "pp_stage": s["pp_stage"], "ranks": layout.world_size // pp,
         "megatron_tensors": s["tensors"],
         "hf_tensors_read": _hf_tensors_read(arch, s["pp_stage"], pp, ep),
         "params": s["params"], "bytes": s["bytes"],
         "est_peak_bytes": int(s["bytes"] * SAVE_OVERHEAD) + IDLE_RANK_BYTES,
     } for s in stages]
     total = param_counts(arch)["total_params"] * item
-    return {"model_type": arch.model_type, "dtype": dtype_name(dtype), "layout": layout.as_dict(),
+    return {"model_type": arch.model_type, "dtype": dtype_name(dtype), "layout": layout.sizes(),
             "checkpoint_bytes": total, "per_rank": per_rank}
 
 

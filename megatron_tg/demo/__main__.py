@@ -6,7 +6,7 @@
 1. base model: a tiny Qwen3-MoE SFT'd on the key-lookup task (:mod:`.base_model`): it solves
    the task with the ``search`` tool, never uses the new ``lines=`` format unaided, and uses it
    when the feedback hint stands right before the tool-call turn. Saved as an HF checkpoint
-   with its tokenizer, then converted with ``tools/convert_hf_to_megatron.py``;
+   with its tokenizer, then converted with ``megatron-tg convert hf-to-megatron``;
 2. RL from that base through the real TG loop (:mod:`.rl`: megatron-core trainer, embedded
    engine over SGLang's HTTP API, async rollout manager, judge, weight sync), criteria =
    task success (``answer``, primary) + new tool format (``search_lines``), three methods:
@@ -41,7 +41,6 @@ from megatron_tg.demo import report as R
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "demo_cpu.yaml"
-CONVERTER = ROOT / "tools" / "convert_hf_to_megatron.py"
 METHODS = ("grpo", "opsd", "tg")
 DIRECTIONS = ("reverse", "forward", "jsd")
 
@@ -101,7 +100,8 @@ def convert(base: Path, out: Path, py: str) -> None:
         return
     if out.exists():
         shutil.rmtree(out)
-    cmd = [py, str(CONVERTER), "--hf-dir", str(base), "--out-dir", str(out), "--no-progress"]
+    cmd = [py, "-m", "megatron_tg.cli", "convert", "hf-to-megatron", "--hf-dir", str(base),
+           "--out-dir", str(out), "--no-progress"]
     res = subprocess.run(cmd, capture_output=True, text=True, env=_env())
     if res.returncode != 0:
         raise RuntimeError(f"conversion failed ({' '.join(cmd)}):\n{res.stdout[-2000:]}{res.stderr[-4000:]}")
@@ -133,7 +133,7 @@ def _finished(done: Path) -> dict[str, Any] | None:
 def run_one(spec: RunSpec, out: Path, plan: Plan, py: str, recipe: Path,
             inputs: dict[str, str]) -> Path:
     """One RL run as its own process (its own gloo world, engine and port); returns its dir."""
-    from megatron_tg.rollout.engine.launch import free_port
+    from megatron_tg.parallel.ports import free_port
 
     run_dir = out / "runs" / spec.name
     done = run_dir / "done.json"
@@ -200,6 +200,15 @@ def targets(methods: dict[str, Any], wall: float, quick: bool) -> dict[str, Any]
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_tg.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    a = ap.parse_args(argv)
+    problem = _bad_arguments(a)
+    if problem:
+        ap.error(problem)
+    return run(a)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="runs/demo", help="output directory (reused: a finished run with the same settings, base model and "
                          "recipe is kept)")
     ap.add_argument("--quick", action="store_true", help="CI-sized: quick base, fewer steps, no comparison")
@@ -208,12 +217,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-compare", action="store_true", help="skip the KL-direction comparison")
     ap.add_argument("--jobs", type=int, default=2, help="RL runs at a time (default 2: one per core)")
     ap.add_argument("--recipe", default=str(RECIPE), help="the RL recipe (default recipes/demo_cpu.yaml)")
-    a = ap.parse_args(argv)
+
+
+def _bad_arguments(a: argparse.Namespace) -> str | None:
     for name, value, least in (("--steps", a.steps, 3), ("--seeds", a.seeds, 1), ("--jobs", a.jobs, 1)):
         if value is not None and value < least:
-            ap.error(f"{name} must be at least {least}, got {value}")
+            return f"{name} must be at least {least}, got {value}"
     if not Path(a.recipe).is_file():
-        ap.error(f"--recipe {a.recipe}: no such file")
+        return f"--recipe {a.recipe}: no such file"
+    return None
+
+
+def run(a: argparse.Namespace) -> int:
+    """``megatron-tg demo`` (the parsed arguments of :func:`add_arguments`)."""
+    problem = _bad_arguments(a)
+    if problem:
+        print(f"demo: error: {problem}", file=sys.stderr)
+        return 2
     try:
         return _main(a)
     except RuntimeError as exc:  # a conversion or an RL run failed: its log tail is in the message

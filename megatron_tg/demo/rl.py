@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from typing import Sequence
 
@@ -112,7 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron_tg.train.loop import run
 
     cfg = load_config(a.recipe, list(a.overrides))
-    if int(os.environ.get("RANK", "0")) == 0:
+    from megatron_tg.parallel.state import LaunchEnv
+
+    if LaunchEnv.from_env().rank == 0:  # the one reading of torchrun / srun ranks
         save_resolved(cfg)
     return run(cfg, make_rollout_side=make_rollout_side(a.probe_every, a.probe_n))
 

@@ -50,6 +50,13 @@ class JudgeResult:
     judge_error: str | None = None
     """Set when any criterion could not be evaluated; the rollout must not be trained on."""
     llm_reply: str | None = None
+    judge_error_kind: str | None = None
+    """Why the LLM judge failed (:class:`~megatron_tg.judge.llm.LLMJudgeError` ``kind``)."""
+    llm_requests: int = 0
+    llm_overflow_retries: int = 0
+    """Re-sends with a shorter transcript after the judge answered "context length"."""
+    llm_omitted_turns: int = 0
+    """Assistant turns cut from the transcript the judge saw (most over the requests)."""
 
     @property
     def trainable(self) -> bool:
@@ -141,6 +148,8 @@ def evaluate_rule(c: Criterion, transcript: Transcript, task: Any = None) -> tup
     if not turns:
         return False, [], "no assistant turn"
     if c.scope == "final_turn":
+        if not transcript.ended_by_agent:
+            return False, [], f"no final turn: the rollout ended by {transcript.finish_reason}"
         last = turns[-1]
         ok, why = c.checker(_turn_text(last, which, transcript), ctx(turn=last))
         return ok, ([] if ok else [last.index]), why
@@ -171,7 +180,7 @@ class Judge:
     """
 
     def __init__(self, rubric: Rubric, tokenizer=None, llm: LLMJudgeClient | None = None,
-                 feedback_source: str = "static"):
+                 feedback_source: str = "static", tool_call_reading: str = "strict"):
         if feedback_source not in FEEDBACK_SOURCES:
             raise ValueError(f"feedback_source must be one of {FEEDBACK_SOURCES}")
         if rubric.llm_criteria() and llm is None:
@@ -179,13 +188,14 @@ class Judge:
                              f"{[c.name for c in rubric.llm_criteria()]} but no LLM client was given")
         self.rubric, self.tokenizer, self.llm = rubric, tokenizer, llm
         self.feedback_source = feedback_source
+        self.tool_call_reading = tool_call_reading  # the harness's reading (rollout.tool_call_reading)
 
     def transcript(self, item: Rollout | Transcript) -> Transcript:
         if isinstance(item, Transcript):
             return item
         if self.tokenizer is None:
             raise ValueError("judging a Rollout needs the tokenizer (to decode its tokens)")
-        return Transcript.from_rollout(item, self.tokenizer)
+        return Transcript.from_rollout(item, self.tokenizer, self.tool_call_reading)
 
     async def judge(self, item: Rollout | Transcript, task_info: Any = None) -> JudgeResult:
         tr = self.transcript(item)
@@ -217,15 +227,35 @@ class Judge:
                                                        c.feedback, "no assistant turn")
             return
         assert self.llm is not None
-        try:
-            verdicts, raw = await self.llm.evaluate(
-                crits, tr.render_for_judge(self.llm.config.max_context_chars), task_info, n)
-        except LLMJudgeError as e:
-            errors.append(f"llm judge: {e}")
-            return
+        cfg = self.llm.config
+        render = lambda budget: tr.render_within(cfg.max_context_chars, budget)  # noqa: E731
+        # One request per transcript budget: criteria that need less context share one.
+        by_budget: dict[int, list[Criterion]] = {}
+        for c in crits:
+            by_budget.setdefault(c.judge_budget_chars or cfg.max_transcript_chars, []).append(c)
+        verdicts, raws = {}, []
+        for budget, group in by_budget.items():
+            try:
+                got, raw, call = await self.llm.evaluate(group, render, task_info, n,
+                                                         budget_chars=budget)
+            except LLMJudgeError as e:
+                errors.append(f"llm judge: {e}")
+                res.judge_error_kind = e.kind
+                return
+            verdicts.update(got)
+            raws.append(raw)
+            res.llm_requests += call.requests
+            res.llm_overflow_retries += call.overflow_retries
+            res.llm_omitted_turns = max(res.llm_omitted_turns, call.omitted_turns)
+        raw = raws[0] if len(raws) == 1 else "\n".join(raws)
         res.llm_reply = raw
         for c in crits:
             v = verdicts[c.name]
+            if c.scope == "final_turn" and not tr.ended_by_agent:  # see rubric.py: no final turn
+                res.criteria[c.name] = CriterionResult(
+                    c.name, False, c.weight, c.primary, [], c.feedback,
+                    f"no final turn: the rollout ended by {tr.finish_reason}", v.feedback)
+                continue
             if v.passed:
                 turns = []
             elif c.scope in ("final_turn", "rollout"):

@@ -12,6 +12,15 @@ failed attempt too (sampling may fix it). When attempts run out :class:`LLMJudge
 raised, which the :class:`~megatron_tg.judge.judge.Judge` records as the rollout's
 ``judge_error`` (the rollout is then excluded from training). Other HTTP errors (400, 401,
 404...) are configuration errors and are not retried.
+
+Context overflow is neither: a transcript longer than the judge's context is answered with
+HTTP 400 and a "context length" message (SGLang 0.5.23's tokenizer manager: "The input (N
+tokens) is longer than the model's context length (M tokens)."; vLLM and OpenAI say
+"maximum context length" / ``context_length_exceeded``). Retrying the same request cannot
+help, and dropping it would drop exactly the longest rollouts, so the request is sent again
+with the transcript cut to fit (its budget scaled by M/N when the message gives the counts,
+else halved), up to ``overflow_retries`` times. Every cut is marked in the transcript the
+judge sees and counted in :class:`JudgeCall`.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import os
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import aiohttp
 
@@ -65,6 +74,11 @@ class LLMJudgeConfig:
     """Send ``response_format={"type": "json_object"}`` (vLLM/SGLang/OpenAI support it)."""
     max_context_chars: int = 4000
     """Per non-assistant transcript block (tool output etc.), cut in the middle beyond this."""
+    max_transcript_chars: int = 200_000
+    """The whole transcript's budget per request (a criterion's ``judge_budget_chars`` can
+    lower it); beyond it the middle of the transcript is omitted with a marker."""
+    overflow_retries: int = 2
+    """Re-sends with a shorter transcript after a context-overflow answer (module docstring)."""
 
     @property
     def url(self) -> str:
@@ -81,7 +95,32 @@ class LLMVerdict:
 
 
 class LLMJudgeError(Exception):
-    """The judge gave no usable verdict (after retries): the rollout gets a judge_error."""
+    """The judge gave no usable verdict (after retries): the rollout gets a judge_error.
+    ``kind`` says why: "overflow" (the transcript did not fit even when cut), "config" (a
+    non-retried HTTP error) or "exhausted" (retryable failures until attempts ran out)."""
+
+    def __init__(self, message: str, kind: str = "exhausted"):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class JudgeCall:
+    """What one :meth:`LLMJudgeClient.evaluate` took: for metrics and per-sample records."""
+
+    requests: int = 0
+    overflow_retries: int = 0
+    transcript_chars: int = 0
+    omitted_turns: int = 0
+    """Assistant turns left out of the transcript the judge finally saw."""
+
+
+Render = Callable[[Union[int, None]], "tuple[str, list[int]]"]
+"""``budget_chars -> (transcript text, omitted assistant turns)``."""
+
+_OVERFLOW = re.compile(r"context length|maximum context|context_length_exceeded|too many tokens"
+                       r"|prompt is too long", re.I)
+_COUNTS = re.compile(r"input \((\d+) tokens\).*context length \((\d+) tokens\)", re.I | re.S)
 
 
 class _InvalidReply(Exception):
@@ -92,6 +131,23 @@ class _Retryable(Exception):
     def __init__(self, msg: str, retry_after: float | None = None):
         super().__init__(msg)
         self.retry_after = retry_after
+
+
+class _Overflow(Exception):
+    def __init__(self, msg: str, scale: float):
+        super().__init__(msg)
+        self.scale = scale  # budget multiplier that should make the next request fit
+
+
+def overflow_scale(body: str) -> float | None:
+    """None unless ``body`` (an HTTP 400 body) says the prompt exceeds the context; then the
+    factor to shrink the transcript by (M/N x 0.9 from the token counts, else 0.5)."""
+    if not _OVERFLOW.search(body):
+        return None
+    m = _COUNTS.search(body)
+    if m and int(m.group(1)) > 0:
+        return max(0.1, min(0.9, 0.9 * int(m.group(2)) / int(m.group(1))))
+    return 0.5
 
 
 def build_messages(criteria: Sequence[Criterion], transcript: str, task_info: Any,
@@ -190,7 +246,8 @@ class LLMJudgeClient:
         if env:
             key = os.environ.get(env)
             if not key:
-                raise LLMJudgeError(f"environment variable {env} (judge API key) is not set")
+                raise LLMJudgeError(f"environment variable {env} (judge API key) is not set",
+                                    kind="config")
             h["Authorization"] = f"Bearer {key}"
         return h
 
@@ -202,30 +259,42 @@ class LLMJudgeClient:
             d = max(d, min(retry_after, cfg.backoff_max_s))
         return max(d, 0.0)
 
-    async def evaluate(self, criteria: Sequence[Criterion], transcript: str, task_info: Any,
-                       n_turns: int) -> tuple[dict[str, LLMVerdict], str]:
-        """Returns (verdict per criterion, raw reply text) or raises LLMJudgeError."""
+    async def evaluate(self, criteria: Sequence[Criterion], transcript: str | Render,
+                       task_info: Any, n_turns: int, budget_chars: int | None = None
+                       ) -> tuple[dict[str, LLMVerdict], str, JudgeCall]:
+        """Returns (verdict per criterion, raw reply text, what the call took) or raises
+        LLMJudgeError. ``transcript``: the text, or a function rendering it within a budget
+        (only then can an overflow be answered with a shorter transcript)."""
         cfg = self.config
-        payload: dict[str, Any] = {
-            "model": cfg.model,
-            "messages": build_messages(criteria, transcript, task_info, n_turns),
-            "temperature": cfg.temperature,
-            "max_tokens": cfg.max_tokens,
-        }
-        if cfg.json_mode:
-            payload["response_format"] = {"type": "json_object"}
+        budget = budget_chars if budget_chars is not None else cfg.max_transcript_chars
+        render: Render = transcript if callable(transcript) else (lambda _b, t=transcript: (t, []))
+        text_in, omitted = render(budget)
+        call = JudgeCall(transcript_chars=len(text_in), omitted_turns=len(omitted))
         headers = self._headers()
         if self._session is None:
             self._session = aiohttp.ClientSession()
         if self._sem is None:
             self._sem = asyncio.Semaphore(cfg.max_concurrency)
         errors: list[str] = []
-        for attempt in range(cfg.max_attempts):
+        attempt = 0
+        while attempt < cfg.max_attempts:
+            payload = self._payload(criteria, text_in, task_info, n_turns)
             retry_after = None
             try:
+                call.requests += 1
                 async with self._sem:
                     text = await self._post(payload, headers)
-                return parse_reply(text, criteria, n_turns), text
+                return parse_reply(text, criteria, n_turns), text, call
+            except _Overflow as e:
+                errors.append(f"context overflow at {len(text_in)} characters: {e}")
+                if not callable(transcript) or call.overflow_retries >= cfg.overflow_retries:
+                    raise LLMJudgeError("transcript does not fit the judge's context: "
+                                        + " | ".join(errors), kind="overflow") from None
+                call.overflow_retries += 1
+                budget = max(1000, int(len(text_in) * e.scale))
+                text_in, omitted = render(budget)
+                call.transcript_chars, call.omitted_turns = len(text_in), len(omitted)
+                continue  # not a failed attempt: a different request
             except _Retryable as e:
                 errors.append(str(e))
                 retry_after = e.retry_after
@@ -235,10 +304,23 @@ class LLMJudgeClient:
                 errors.append(f"timeout after {cfg.timeout_s}s")
             except aiohttp.ClientError as e:
                 errors.append(f"{type(e).__name__}: {e}")
-            if attempt + 1 < cfg.max_attempts:
-                await asyncio.sleep(self._delay(attempt, retry_after))
+            attempt += 1
+            if attempt < cfg.max_attempts:
+                await asyncio.sleep(self._delay(attempt - 1, retry_after))
         raise LLMJudgeError(f"no valid verdict after {cfg.max_attempts} attempts: "
                             + " | ".join(errors))
+
+    def _payload(self, criteria, transcript: str, task_info: Any, n_turns: int) -> dict[str, Any]:
+        cfg = self.config
+        payload: dict[str, Any] = {
+            "model": cfg.model,
+            "messages": build_messages(criteria, transcript, task_info, n_turns),
+            "temperature": cfg.temperature,
+            "max_tokens": cfg.max_tokens,
+        }
+        if cfg.json_mode:
+            payload["response_format"] = {"type": "json_object"}
+        return payload
 
     async def _post(self, payload: dict[str, Any], headers: dict[str, str]) -> str:
         assert self._session is not None
@@ -254,8 +336,11 @@ class LLMJudgeClient:
                 except ValueError:
                     retry_after = None
                 raise _Retryable(f"HTTP {resp.status}: {body[:120]!r}", retry_after)
+            if resp.status == 400 and (scale := overflow_scale(body)) is not None:
+                raise _Overflow(f"HTTP 400: {body[:200]!r}", scale)
             if resp.status != 200:
-                raise LLMJudgeError(f"HTTP {resp.status} (not retried): {body[:200]!r}")
+                raise LLMJudgeError(f"HTTP {resp.status} (not retried): {body[:200]!r}",
+                                    kind="config")
         try:
             data = json.loads(body)
             content = data["choices"][0]["message"]["content"]

@@ -17,7 +17,10 @@
 
 Scopes and the turns a failure is attributed to (where feedback will be inserted):
 
-* ``final_turn``    — the last assistant turn is checked; fails at that turn.
+* ``final_turn``    — the last assistant turn is checked; fails at that turn. A rollout the
+  agent did not end itself (cut by the turn, token or time limit: its last turn may be a
+  tool call) has no final turn: the criterion fails with no turn attributed, so it costs
+  reward but no feedback is inserted before a turn that was not meant as the final one.
 * ``every_turn``    — each assistant turn is checked; fails at each turn that fails.
 * ``any_tool_call`` — each tool call is checked (no calls: vacuous pass); fails at each turn
   with a failing call.
@@ -56,6 +59,10 @@ class Criterion:
     checker_args: dict[str, Any]
     checker: Checker
     description: str = ""
+    judge_budget_chars: int | None = None
+    """LLM criteria only: the most characters of transcript the judge is sent for this
+    criterion (the middle is cut with a marker beyond it); None = the judge client's
+    ``max_transcript_chars``. Criteria with the same budget share one judge request."""
 
     @property
     def is_llm(self) -> bool:
@@ -99,7 +106,8 @@ class Rubric:
 
 
 _TOP_KEYS = {"name", "description", "criteria"}
-_CRIT_KEYS = {"name", "scope", "weight", "primary", "feedback", "checker", "description"}
+_CRIT_KEYS = {"name", "scope", "weight", "primary", "feedback", "checker", "description",
+              "judge_budget_chars"}
 
 
 def parse_rubric(obj: Any, source: str = "<dict>") -> Rubric:
@@ -152,10 +160,17 @@ def _parse_criterion(c: Any, where: str) -> Criterion:
         checker = build_checker(spec["type"], args)
     except Exception as e:  # ValueError, ImportError, AttributeError from a python checker
         raise RubricError(f"{where}.checker: {e}") from e
+    budget = c.get("judge_budget_chars")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1000:
+            raise RubricError(f"{where}.judge_budget_chars: must be an integer >= 1000, got {budget!r}")
+        if not checker.is_llm:
+            raise RubricError(f"{where}.judge_budget_chars: only LLM-judged criteria are sent "
+                              f"to a judge (checker {spec['type']!r} is a rule)")
     return Criterion(name=name, scope=scope, weight=float(weight), primary=primary,
                      feedback=feedback.strip() if feedback else None, checker_type=spec["type"],
                      checker_args=dict(args), checker=checker,
-                     description=str(c.get("description", "")))
+                     description=str(c.get("description", "")), judge_budget_chars=budget)
 
 
 def load_rubric(path: str | os.PathLike) -> Rubric:

@@ -466,11 +466,17 @@ def _fmt(x: float | None, signed: bool = False) -> str:
 
 
 # ---------------------------------------------------------------------- command line
+DESCRIPTION = ("Vet a rubric's feedback strings (paper §4): does the model with the "
+               "feedback beat the model without it?")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tools/vet_feedback.py",
-        description="Vet a rubric's feedback strings (paper §4): does the model with the "
-                    "feedback beat the model without it?")
+    p = argparse.ArgumentParser(prog="megatron-tg vet", description=DESCRIPTION)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF model directory (with tokenizer) served by the embedded engine")
     src.add_argument("--server", action="append", metavar="URL",
@@ -507,7 +513,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-model", default="judge")
     p.add_argument("--log-dir", help="engine logs (default: a temporary directory)")
     p.add_argument("--out", required=True, help="JSON report path")
-    return p
 
 
 def _select_tasks(args) -> list:
@@ -593,7 +598,10 @@ async def _run(args, log) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     report = asyncio.run(_run(args, log))
     report["command"] = {k: v for k, v in vars(args).items()}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 from typing import Any
 
 import torch
@@ -65,12 +64,6 @@ def _fake_world(world_size: int, rank: int):
         dist.destroy_process_group()
 
 
-def _world_for(dims_kwargs: dict[str, int]) -> int:
-    tp, pp, ep = dims_kwargs["tp"], dims_kwargs["pp"], dims_kwargs["ep"]
-    etp = dims_kwargs.get("etp") or tp
-    return pp * math.lcm(tp * dims_kwargs.get("cp", 1), ep * etp)
-
-
 def built_shards(arch: Qwen3Arch, *, tp: int = 1, ep: int = 1, pp: int = 1,
                  etp: int | None = None, bytes_per_param: int = 2) -> list[dict[str, Any]]:
     """Build rank 0 of every pipeline stage on the meta device; count what it holds."""
@@ -79,7 +72,7 @@ def built_shards(arch: Qwen3Arch, *, tp: int = 1, ep: int = 1, pp: int = 1,
     from megatron_tg.models.qwen3_moe.model import build_model
     from megatron_tg.parallel.cpu_patches import apply_cpu_patches
 
-    world = _world_for(dict(tp=tp, ep=ep, pp=pp, etp=etp))
+    world = ParallelDims.smallest_world(tp=tp, ep=ep, pp=pp, etp=etp)
     dims = ParallelDims(world_size=world, tp=tp, pp=pp, ep=ep, etp=etp)
     dims.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
                      num_query_groups=arch.num_key_value_heads, num_experts=arch.num_experts)
@@ -123,7 +116,7 @@ def describe(hf_config: Any, *, tp: int = 1, ep: int = 1, pp: int = 1,
         **counts,
         "model_type": arch.model_type,
         "num_experts": arch.num_experts,
-        "layout": {"tp": tp, "ep": ep, "pp": pp, "etp": etp or tp},
+        "layout": {"tp": tp, "ep": ep, "pp": pp, "etp": ParallelDims.resolve_etp(tp, etp)},
         "padded_vocab_size": padded_vocab_size(arch.vocab_size, tp),
         "per_rank": stages,
     }

@@ -10,7 +10,9 @@ process group exists; :mod:`megatron_tg.parallel.state` turns it into process gr
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class Axis(str, enum.Enum):
@@ -29,6 +31,21 @@ class LayoutError(ValueError):
     """A parallel layout that cannot be built; the message names the offending sizes."""
 
 
+class ModelShape(Protocol):
+    """What a layout must divide (``Qwen3Arch`` has these fields)."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_experts: int | None
+
+
+# megatron-core's default rank order (``order="tp-cp-ep-dp-pp"``): dense groups fold the
+# ranks as TP (fastest), CP, DP, PP; expert groups as expert-TP, EP, expert-DP, PP.
+DENSE_ORDER = (Axis.TP, Axis.CP, Axis.DP, Axis.PP)
+EXPERT_ORDER = (Axis.ETP, Axis.EP, Axis.EDP, Axis.PP)
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Sizes of every axis for one world size. ``dp`` and ``edp`` are derived."""
@@ -40,9 +57,13 @@ class ParallelDims:
     ep: int = 1
     etp: int | None = None  # None: same as tp (megatron's default)
 
+    @staticmethod
+    def resolve_etp(tp: int, etp: int | None) -> int:
+        """Expert-TP with megatron's default applied: unset means the dense TP size."""
+        return tp if etp is None else etp
+
     def __post_init__(self) -> None:
-        if self.etp is None:
-            object.__setattr__(self, "etp", self.tp)
+        object.__setattr__(self, "etp", self.resolve_etp(self.tp, self.etp))
         for name in ("world_size", "tp", "pp", "cp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -60,6 +81,20 @@ class ParallelDims:
             raise LayoutError(
                 f"world_size={self.world_size} is not divisible by etp*ep*pp="
                 f"{self.etp}*{self.ep}*{self.pp}={expert_model}")
+
+    @staticmethod
+    def smallest_world(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                       etp: int | None = None) -> int:
+        """The fewest ranks on which both the dense (tp x cp x pp) and the expert
+        (etp x ep x pp) decompositions tile the world."""
+        return math.lcm(tp * cp * pp, ParallelDims.resolve_etp(tp, etp) * ep * pp)
+
+    @classmethod
+    def smallest(cls, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                 etp: int | None = None) -> "ParallelDims":
+        """The layout on :meth:`smallest_world` ranks (e.g. a converter's workers)."""
+        world = cls.smallest_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
+        return cls(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
 
     @property
     def dp(self) -> int:
@@ -86,6 +121,25 @@ class ParallelDims:
         if num_experts is None and self.ep > 1:
             raise LayoutError(f"ep={self.ep} but the model has no experts")
 
+    def check_arch(self, arch: ModelShape) -> None:
+        """:meth:`check_model` for a model architecture (e.g. ``Qwen3Arch``)."""
+        self.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
+                         num_query_groups=arch.num_key_value_heads, num_experts=arch.num_experts)
+
+    def rank_groups(self, axis: Axis) -> list[list[int]]:
+        """The ranks of every ``axis`` group, as megatron-core forms them in its default order."""
+        order = DENSE_ORDER if axis in DENSE_ORDER else EXPERT_ORDER
+        sizes = [self.size(a) for a in order]
+        i = order.index(axis)
+        stride, size = math.prod(sizes[:i]), sizes[i]
+        return [[base + k * stride for k in range(size)]
+                for base in range(self.world_size) if (base // stride) % size == 0]
+
     def describe(self) -> dict[str, int]:
         """Every axis size, for printing and for the saved run config."""
         return {"world_size": self.world_size, **{a.value: self.size(a) for a in Axis}}
+
+    def sizes(self) -> dict[str, int]:
+        """The set sizes (etp resolved) and the world: what a converter records as its layout."""
+        return {"tp": self.tp, "ep": self.ep, "pp": self.pp, "etp": self.etp,
+                "world_size": self.world_size}

@@ -45,11 +45,10 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
-from megatron_tg.chat.framing import FramingError
 from megatron_tg.rollout.client import SGLangClientError
 from megatron_tg.rollout.context import (EngineError, MalformedOutputError, RolloutContext, VersionGate,
                                          request_seed)
-from megatron_tg.rollout.types import Rollout, RolloutFormatError
+from megatron_tg.rollout.types import FramingError, Rollout, RolloutFormatError
 
 log = logging.getLogger(__name__)
 

@@ -42,6 +42,14 @@ failure; abort: cancelled (e.g. weights updated mid-rollout and the caller chose
 LOGPROB_TOLERANCE = 1e-4
 
 
+class FramingError(ValueError):
+    """The conversation / template / tokens do not line up as the chat framing requires.
+
+    Raised by :mod:`megatron_tg.chat.framing`; defined with the data model so that the rollout
+    manager can classify it without importing the chat package (chat depends on rollout,
+    never the reverse)."""
+
+
 class RolloutFormatError(ValueError):
     """A malformed rollout; ``field`` names the offending field (e.g. ``segments[2].logprobs``)."""
 

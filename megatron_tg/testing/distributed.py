@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_mod
-import socket
 import traceback
 from typing import Any, Callable
 
@@ -23,12 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_tg.parallel.ports import free_port
 
 
 def _to_cpu(obj: Any) -> Any:

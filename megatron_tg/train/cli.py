@@ -32,9 +32,12 @@ def default_rollout_side(trainer):
     if rubric.llm_criteria():
         if not cfg.judge.endpoint:
             raise ValueError(f"rubric {rubric.name!r} has LLM-judged criteria: set judge.endpoint")
-        llm = LLMJudgeClient(LLMJudgeConfig(base_url=cfg.judge.endpoint, model=cfg.judge.model or "judge",
-                                            timeout_s=cfg.judge.timeout_s,
-                                            max_attempts=cfg.judge.max_retries + 1))
+        j = cfg.judge
+        llm = LLMJudgeClient(LLMJudgeConfig(base_url=j.endpoint, model=j.model or "judge",
+                                            timeout_s=j.timeout_s, max_attempts=j.max_retries + 1,
+                                            max_concurrency=j.max_concurrency,
+                                            max_transcript_chars=j.max_transcript_chars,
+                                            overflow_retries=j.overflow_retries))
     tasks = load_tasks(cfg.rollout.tasks, repos_root=cfg.rollout.repos_root) if cfg.rollout.tasks else builtin_tasks()
     harness = AgentHarness(trainer.tokenizer, cfg.rollout)
     return RolloutSide(cfg, trainer.tokenizer, harness, tasks, rubric,
@@ -55,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.recipe, list(args.overrides))
     check_task_file(cfg.rollout.tasks)
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+    from megatron_tg.parallel.state import LaunchEnv
+
+    if LaunchEnv.from_env().rank == 0:  # the one reading of torchrun / srun ranks
         save_resolved(cfg)
     return run_loop(cfg, make_rollout_side=default_rollout_side)
 

@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_tg.config.schema import TGConfig
-from megatron_tg.parallel.dims import Axis
-from megatron_tg.rollout.engine.launch import free_port
+from megatron_tg.parallel.ports import free_port
+from megatron_tg.train.manifest import write_manifest
 from megatron_tg.train.metrics import MetricsLogger
+from megatron_tg.train.samples import SampleRecorder
+from megatron_tg.train.scatter import scatter_by_tokens
 from megatron_tg.train.trainer import Trainer
 from megatron_tg.train.weight_sync import push_weights
 
@@ -46,21 +48,6 @@ class StopFlag:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.requested = bool(flag.item())
         return self.requested
-
-
-def share_for_this_rank(trainer: Trainer, samples, metrics):
-    """Rank 0's judged samples -> every rank; each DP rank keeps its slice."""
-    box = [(samples, metrics) if trainer.ctx.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    samples, metrics = box[0]
-    dp, dp_rank = trainer.ctx.dims.dp, trainer.ctx.rank_in(Axis.DP)
-    if len(samples) < dp:
-        raise RuntimeError(
-            f"{len(samples)} trainable rollouts for {dp} data-parallel ranks (judge errors: "
-            f"{metrics.get('rollout/judge_errors', 0):g}, rollouts without an assistant turn: "
-            f"{metrics.get('rollout/empty', 0):g} — is the prompt longer than "
-            "rollout.max_context_tokens? Otherwise raise rollout.prompts_per_step or group_size)")
-    return samples[dp_rank::dp], metrics
 
 
 def sync_weights(trainer: Trainer, side, *, restart: bool = False) -> dict[str, float]:
@@ -100,16 +87,20 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
         side.load_state_dict(state["rollouts"])
     if trainer.step > 0:  # the engines serve the base weights: bring them to the checkpoint's
         sync_weights(trainer, side, restart=True)
+    if rank0:  # what produced this run, appended at every start (train/manifest.py)
+        write_manifest(cfg.logging.run_dir, cfg, step=trainer.step, **side.identity())
     _say(rank0, f"resumed from checkpoint step {trainer.step} of {cfg.steps}" if trainer.step
          else f"starting at step 0 of {cfg.steps}")
     log = MetricsLogger(cfg.logging, cfg.logging.run_dir, enabled=rank0,
                         total_steps=cfg.steps, start_step=trainer.step)
+    records = SampleRecorder(cfg.logging, cfg.logging.run_dir, enabled=rank0,
+                             start_step=trainer.step, tokenizer=trainer.tokenizer)
     code = EXIT_DONE
     try:
         while trainer.step < cfg.steps:
             t0 = time.perf_counter()
             batch = side.next_batch(trainer.step) if rank0 else (None, None)      # generate + judge
-            samples, metrics = share_for_this_rank(trainer, *batch)
+            samples, metrics = scatter_by_tokens(*batch, rank=trainer.ctx.rank, dims=trainer.ctx.dims)
             t1 = time.perf_counter()
             metrics.update(trainer.train_step(samples))                          # GRPO + gated KL
             t2 = time.perf_counter()
@@ -121,6 +112,8 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
                             "time/step": time.perf_counter() - t0,
                             "throughput/train_tokens_per_s": tokens / max(t2 - t1, 1e-9)})
             log.log(trainer.step, metrics)
+            if rank0:
+                records.write(trainer.step, side.last_judged, batch[0], trainer.turn_stats)
             stopping = stop.agreed()
             if stopping or trainer.step % cfg.checkpoint.interval == 0 or trainer.step == cfg.steps:
                 trainer.save({"rollouts": side.state_dict() if rank0 else None})  # checkpoint

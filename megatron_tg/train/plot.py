@@ -1,7 +1,8 @@
 """Curves of one or more runs side by side, like the paper's figures (criterion rates, pass
 rate, entropy, KL), from each run's ``metrics.jsonl``.
 
-    python tools/plot_run.py RUN_DIR [RUN_DIR ...] --out curves.png [--labels a b ...]
+    megatron-tg plot RUN_DIR [RUN_DIR ...] --out curves.png [--labels a b ...]
+    (or: python tools/plot_run.py ...)
 """
 
 from __future__ import annotations
@@ -30,6 +31,37 @@ def _series(rows, key):
     return xs, ys
 
 
+def _smoothed(ys: list[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what exists so far)."""
+    if window <= 1:
+        return list(ys)
+    return [sum(ys[max(0, i - window + 1):i + 1]) / len(ys[max(0, i - window + 1):i + 1])
+            for i in range(len(ys))]
+
+
+def curves(run_dirs: Sequence[str | Path], labels: Sequence[str] | None = None,
+           smooth: int = 1) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """What :func:`plot_runs` draws: panel title -> line name -> (steps, values)."""
+    labels = list(labels or [Path(d).name for d in run_dirs])
+    if len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
+    runs = [read_metrics(d) for d in run_dirs]
+    out: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+    for key, title in PANELS:
+        panel = out.setdefault(title, {})
+        for rows, label in zip(runs, labels):
+            if key.endswith("/"):  # a family of metrics, one line each (not the primary rate)
+                keys = sorted({k for r in rows for k in r
+                               if k.startswith(key) and k != "criteria/primary"})
+            else:
+                keys = [key]
+            for k in keys:
+                xs, ys = _series(rows, k)
+                name = label if len(keys) == 1 else f"{label}: {k.split('/', 1)[1]}"
+                panel[name] = (xs, _smoothed(ys, smooth))
+    return out
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None,
               smooth: int = 1) -> Path:
     import matplotlib
@@ -37,23 +69,11 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
     matplotlib.use("Agg")  # files only; no display on training machines
     import matplotlib.pyplot as plt
 
-    labels = list(labels or [Path(d).name for d in run_dirs])
-    if len(labels) != len(run_dirs):
-        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
-    runs = [read_metrics(d) for d in run_dirs]
+    data = curves(run_dirs, labels, smooth)
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
-    for ax, (key, title) in zip(axes, PANELS):
-        for rows, label in zip(runs, labels):
-            keys = sorted({k for r in rows for k in r if k.startswith(key)}) if key.endswith("/") \
-                else [key]
-            keys = [k for k in keys if k != "criteria/primary"] if key.endswith("/") else keys
-            for k in keys:
-                xs, ys = _series(rows, k)
-                if smooth > 1 and ys:
-                    ys = [sum(ys[max(0, i - smooth + 1):i + 1]) / len(ys[max(0, i - smooth + 1):i + 1])
-                          for i in range(len(ys))]
-                name = label if len(keys) == 1 else f"{label}: {k.split('/', 1)[1]}"
-                ax.plot(xs, ys, label=name)
+    for ax, (title, lines) in zip(axes, data.items()):
+        for name, (xs, ys) in lines.items():
+            ax.plot(xs, ys, label=name)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -68,11 +88,19 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="megatron-tg plot", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
     ap.add_argument("--out", required=True, help="PNG to write")
     ap.add_argument("--labels", nargs="*", help="one label per run (default: directory names)")
     ap.add_argument("--smooth", type=int, default=1, help="moving-average window in steps")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     print(plot_runs(args.runs, args.out, args.labels, args.smooth))
     return 0

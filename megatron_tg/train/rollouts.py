@@ -46,7 +46,9 @@ def _covered_turns(rollout: Rollout, scope: str) -> list[int]:
     n = rollout.num_turns
     if n == 0:
         return []
-    if scope in ("final_turn", "rollout"):
+    if scope == "final_turn":  # a rollout cut by a limit has no final turn (judge/rubric.py)
+        return [n - 1] if rollout.finish_reason == "stop" else []
+    if scope == "rollout":
         return [n - 1]
     if scope == "any_tool_call":
         return [k for k, seg in enumerate(rollout.assistant_turns()) if seg.tool_calls]
@@ -65,13 +67,53 @@ def feedback_for(rollout: Rollout, result, rubric: Rubric, always: bool) -> dict
     return {k: "\n".join(v) for k, v in out.items()}
 
 
+def primary_criteria(obj, rubric: Rubric) -> list[str]:
+    """The task-success criteria: ``objective.primary_criteria`` if set, else the rubric's
+    ``primary: true`` criteria. A named criterion the rubric lacks is a config error (it
+    would silently weigh nothing), and mode "opsd", which rewards only these, needs one."""
+    from megatron_tg.config.base import ConfigError
+
+    names = [c.name for c in rubric.criteria]
+    if obj.primary_criteria:
+        unknown = [n for n in obj.primary_criteria if n not in names]
+        if unknown:
+            raise ConfigError(f"objective.primary_criteria: {unknown} are not criteria of the "
+                              f"rubric (it has {names}); got {list(obj.primary_criteria)}")
+        return list(obj.primary_criteria)
+    primary = [c.name for c in rubric.criteria if c.primary]
+    if not primary and obj.mode == "opsd":
+        raise ConfigError("objective.primary_criteria: mode 'opsd' rewards only the primary "
+                          f"criteria, and the rubric marks none primary (criteria: {names}); "
+                          "set objective.primary_criteria or a rubric criterion's primary: true")
+    return primary
+
+
+def judge_drop_metrics(judged: Sequence[tuple[Rollout, Any]]) -> dict[str, float]:
+    """Judge errors by rollout length, so a judge that drops the longest rollouts (the bias
+    a context limit causes) shows up: the error rate of the shortest, middle and longest
+    third of the batch by tokens, and the judge's overflow re-sends and transcript cuts."""
+    if not judged:
+        return {}
+    order = sorted(judged, key=lambda x: len(x[0].token_ids))
+    n = len(order)
+    out: dict[str, float] = {}
+    for name, part in (("short", order[: n // 3]), ("mid", order[n // 3: n - n // 3]),
+                       ("long", order[n - n // 3:])):
+        if part:
+            out[f"judge/error_rate_{name}"] = sum(not r.trainable for _, r in part) / len(part)
+    out["judge/overflow_errors"] = float(sum(r.judge_error_kind == "overflow" for _, r in judged))
+    out["judge/overflow_retries"] = float(sum(r.llm_overflow_retries for _, r in judged))
+    out["judge/truncated"] = float(sum(r.llm_omitted_turns > 0 for _, r in judged)) / n
+    return out
+
+
 def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg: TGConfig
                    ) -> tuple[list[TrainSample], list[str], dict[str, float]]:
     """TrainSamples with group-relative advantages; ids of groups lost to judge errors; metrics."""
     names = [c.name for c in rubric.criteria]
     obj = cfg.objective
     weights = {**rubric.weights(), **dict(obj.criterion_weights)}
-    primary = list(obj.primary_criteria) or [c.name for c in rubric.criteria if c.primary]
+    primary = primary_criteria(obj, rubric)
     obj_cfg = replace(obj, criterion_weights=weights, primary_criteria=primary)
     always = not mode_switches(obj).failing_turns_only
     flat = [(g, ro, res) for g, rs in zip(groups, results) for ro, res in zip(g.rollouts, rs)]
@@ -82,7 +124,8 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     lost = sorted({g.group_id for g in groups} - {g.group_id for g, _, _ in ok})
     metrics: dict[str, float] = {
         "rollout/judge_errors": float(sum(1 for _, _, res in flat if not res.trainable)),
-        "rollout/empty": float(empty), "rollout/groups_lost": float(len(lost))}
+        "rollout/empty": float(empty), "rollout/groups_lost": float(len(lost)),
+        **judge_drop_metrics([(ro, res) for _, ro, res in flat])}
     if not ok:
         return [], lost, metrics
     scores = torch.tensor([[1.0 if res.passed.get(n, False) else 0.0 for n in names]
@@ -93,12 +136,13 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     adv = group_advantages(rewards, gids, obj_cfg)
     frame = cfg.judge.feedback_framing
     samples = [TrainSample(ro, float(a), {k: frame.replace("{feedback}", text) for k, text in
-                                          feedback_for(ro, res, rubric, always).items()})
-               for (g, ro, res), a in zip(ok, adv.tolist())]
+                                          feedback_for(ro, res, rubric, always).items()},
+                           reward=float(r))
+               for (g, ro, res), a, r in zip(ok, adv.tolist(), rewards.tolist())]
     for i, n in enumerate(names):
         metrics[f"criteria/{n}"] = float(scores[:, i].mean())
     if primary:
-        idx = [names.index(n) for n in primary if n in names]
+        idx = [names.index(n) for n in primary]
         metrics["criteria/primary"] = float(scores[:, idx].min(dim=1).values.mean())
     metrics["reward/mean"] = float(rewards.mean())
     metrics["reward/std"] = float(rewards.std()) if len(ok) > 1 else 0.0
@@ -117,6 +161,7 @@ class RolloutSide:
                  rollout_metrics: Callable[[Sequence[Rollout]], dict[str, float]] | None = None
                  ) -> None:
         self.cfg, self.rubric = cfg, rubric
+        primary_criteria(cfg.objective, rubric)  # a bad name fails here, not at the first batch
         # Task-specific per-step metrics over every rollout of the batch (e.g. the demo's
         # episode verdicts), logged beside the judge's criteria.
         self.rollout_metrics = rollout_metrics
@@ -148,8 +193,9 @@ class RolloutSide:
                                        max_retries=r.max_retries)
         self.manager = RolloutManager(self.client, rollout_fn, tasks, r, epochs=None,
                                       vocab_size=len(tokenizer), initial_version=version)
-        self.judge = Judge(rubric, tokenizer, llm=llm)
+        self.judge = Judge(rubric, tokenizer, llm=llm, tool_call_reading=r.tool_call_reading)
         self.weight_group = None
+        self.last_judged: list[tuple[Rollout, Any]] = []
 
     def call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -162,6 +208,9 @@ class RolloutSide:
         it = iter(results)
         per_group = [[next(it) for _ in g.rollouts] for g in groups]
         samples, lost, metrics = judged_samples(groups, per_group, self.rubric, self.cfg)
+        # Every rollout with its verdict, judge errors included, for the per-sample records.
+        self.last_judged = [(ro, res) for g, rs in zip(groups, per_group)
+                            for ro, res in zip(g.rollouts, rs)]
         if self.rollout_metrics is not None:
             metrics.update(self.rollout_metrics([ro for g in groups for ro in g.rollouts]))
         for gid in lost:
@@ -185,6 +234,24 @@ class RolloutSide:
                     log.warning("probe %r failed at step %d", fn, step, exc_info=True)
                     out["probe/errors"] = out.get("probe/errors", 0.0) + 1.0
         return out
+
+    def identity(self) -> dict[str, Any]:
+        """The judge and the engines as the run manifest records them (see
+        :mod:`megatron_tg.train.manifest`); an engine that does not answer is recorded so."""
+        from megatron_tg.train.manifest import judge_identity
+
+        keep = ("version", "model_path", "tp_size", "dp_size", "weight_version",
+                "enable_deterministic_inference", "served_model_name")
+        try:
+            infos = self.call(self.client.get_server_info())
+        except Exception as exc:  # noqa: BLE001 - the manifest says what it could not learn
+            infos, error = {}, f"{type(exc).__name__}: {exc}"
+        else:
+            error = "no reply"
+        engines = [{"url": u, **({k: infos[u].get(k) for k in keep if k in infos[u]}
+                                  if isinstance(infos.get(u), dict) else {"error": error})}
+                   for u in self.client.admin_urls]
+        return {"judge": judge_identity(self.cfg, self.cfg.judge.rubric), "engines": engines}
 
     def state_dict(self) -> dict[str, Any]:
         return self.manager.state_dict()

@@ -233,3 +233,26 @@ def test_insert_feedback_errors(tok, convo):
     r.token_ids[r.assistant_turns()[1].start - 1] = 5
     with pytest.raises(FramingError, match="turn 1"):
         insert_feedback(r, {1: "x"}, tok)
+
+
+@pytest.mark.parametrize("value, markup", [('print("<parameter=y>")', "<parameter="),
+                                           ("echo </function> done", "</function>")])
+def test_strict_reading_refuses_values_sglang_reads_as_structure(value, markup):
+    from megatron_tg.chat.framing import parse_assistant
+
+    text = f"<tool_call>\n<function=run>\n<parameter=command>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    turn = parse_assistant(text, stop_tokens=())
+    assert turn.tool_calls == [] and len(turn.errors) == 1
+    assert repr(markup) in turn.errors[0].message and turn.errors[0].name == "run"
+
+
+def test_unknown_reading_and_sglang_reading_without_sglang():
+    import importlib.util
+
+    from megatron_tg.chat.framing import parse_assistant
+
+    with pytest.raises(ValueError, match="reading must be one of"):
+        parse_assistant("hi", reading="vllm")
+    if importlib.util.find_spec("sglang") is None:  # the main lane: a clear error, not a guess
+        with pytest.raises(ImportError, match="needs the sglang package"):
+            parse_assistant("<tool_call>\n<function=f>\n</function>\n</tool_call>", reading="sglang")

@@ -50,6 +50,10 @@ def test_bad_choice_names_field_and_value(override, field):
     ("parallel.etp=0", "parallel.etp: must be >= 1; got 0"),
     # megatron reduces expert grads over the dense DP group when ep = 1 (see ParallelDims)
     ("parallel.etp=2", "parallel: ep=1 requires etp == tp (got etp=2, tp=1)"),
+    # YAML's .inf passes "> 0" and used to overflow later, inside the sandbox
+    ("rollout.tool_timeout_s=.inf", "rollout.tool_timeout_s: must be a finite number; got inf"),
+    ("rollout.request_timeout_s=.nan", "rollout.request_timeout_s: must be a finite number; got nan"),
+    ("optimizer.lr=-.inf", "optimizer.lr: must be a finite number; got -inf"),
 ])
 def test_out_of_range_values(override, message):
     with pytest.raises(ConfigError) as err:
@@ -146,3 +150,10 @@ def test_feedback_roles_match_the_chat_framing():
     from megatron_tg.config.rollout import FEEDBACK_ROLES
 
     assert FEEDBACK_ROLES == FRAMINGS
+
+
+def test_tool_call_readings_match_the_chat_package():
+    from megatron_tg.chat.tool_reading import READINGS
+    from megatron_tg.config.rollout import TOOL_CALL_READINGS
+
+    assert TOOL_CALL_READINGS == READINGS

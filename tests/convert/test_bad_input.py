@@ -135,3 +135,77 @@ def test_export_refuses_a_config_of_another_model(model_a, tmp_path):
                                               r"checkpoint 32$"):
         convert_megatron_to_hf(mg, tmp_path / "out", hf_config_dir=other)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def _rewrite_header(d: Path, edit) -> None:
+    """Replace model.safetensors' JSON header by ``edit(header)`` (the data stays as it is)."""
+    import struct
+
+    f = d / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    text = json.dumps(edit(header)).encode()
+    f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def test_header_that_is_not_an_object(model_a, tmp_path):
+    d = _clone(model_a, tmp_path)
+    _rewrite_header(d, lambda h: list(h))
+    _refused(tmp_path, d, r"model\.safetensors: safetensors header is a JSON list")
+
+
+def test_header_entry_without_offsets(model_a, tmp_path):
+    d = _clone(model_a, tmp_path)
+
+    def drop(h):
+        del h[EXPERT]["data_offsets"]
+        return h
+    _rewrite_header(d, drop)
+    _refused(tmp_path, d, rf"header entry '{EXPERT}' lacks data_offsets")
+
+
+def test_overlapping_offsets_refused_in_the_parent(model_a, tmp_path):
+    d = _clone(model_a, tmp_path)
+    other = "model.layers.1.mlp.experts.2.up_proj.weight"
+
+    def overlap(h):  # same size, shifted into its neighbour's bytes
+        h[EXPERT]["data_offsets"] = list(h[other]["data_offsets"])
+        return h
+    _rewrite_header(d, overlap)
+    _refused(tmp_path, d, r"overlap")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c.pop("num_attention_heads"), r"config\.json: required field num_attention_heads is missing"),
+    # transformers 5 writes num_local_experts; an explicit 0 is not silently replaced by it.
+    (lambda c: c.update(num_experts=0), r"config\.json: num_experts=0 and num_local_experts=4 differ"),
+    (lambda c: (c.pop("num_local_experts", None), c.update(num_experts=0)),
+     r"config\.json: num_experts=0: a qwen3_moe model needs at least one expert"),
+    (lambda c: c.update(hidden_size="64"), r"config\.json: field hidden_size='64' is not an integer"),
+])
+def test_bad_config_fields_name_file_and_field(model_a, tmp_path, edit, match):
+    d = _clone(model_a, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    _refused(tmp_path, d, match, exc=UnsupportedConfigError)
+
+
+def test_broken_config_json_names_the_file(model_a, tmp_path, capsys):
+    d = _clone(model_a, tmp_path)
+    (d / "config.json").write_text('{"model_type": "qwen3_moe",')
+    _refused(tmp_path, d, rf"{d / 'config.json'}: not valid JSON", exc=UnsupportedConfigError)
+    assert hf_to_megatron_main(["--hf-dir", str(d), "--out-dir", str(tmp_path / "out")]) == 2
+    assert str(d / "config.json") in capsys.readouterr().err
+
+
+def test_export_refuses_a_truncated_distcp_in_the_parent(ckpt_a, tmp_path):
+    mg = tmp_path / "mg"
+    shutil.copytree(ckpt_a.dir, mg)
+    part = max((mg).rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(part, "r+b") as fh:
+        fh.truncate(part.stat().st_size - 100)
+    with pytest.raises(ConversionError, match=rf"{part.name}: truncated: .* \(100 missing\)"):
+        convert_megatron_to_hf(mg, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []

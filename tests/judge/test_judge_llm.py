@@ -240,3 +240,97 @@ def test_judge_many_preserves_order_and_bounds_concurrency():
     assert [r.rollout_id for r in out] == [f"r{i}" for i in range(6)]
     assert [r.passed["tests_pass"] for r in out] == [True, False] * 3
     assert len(srv.requests) == 6
+
+
+# ---------------------------------------------------------------------- transcript budgets
+class ContextLimitedJudge(FakeJudge):
+    """Answers like an SGLang judge server whose context holds ``context`` tokens (a token
+    counted as 4 characters here): over it, HTTP 400 with the body SGLang 0.5.23 sends
+    (``ErrorResponse`` from its OpenAI server around the tokenizer manager's message
+    "The input (N tokens) is longer than the model's context length (M tokens).")."""
+
+    def __init__(self, context_tokens: int):
+        super().__init__()
+        self.context = context_tokens
+        self.sizes: list[int] = []
+
+    async def handle(self, request):
+        body = await request.json()
+        self.requests.append(body)
+        n = sum(len(m["content"]) for m in body["messages"]) // 4
+        self.sizes.append(n)
+        if n >= self.context:
+            msg = (f"The input ({n} tokens) is longer than the model's context length "
+                   f"({self.context} tokens).")
+            return web.json_response({"object": "error", "message": msg, "type": "BadRequestError",
+                                      "param": None, "code": 400}, status=400)
+        return web.json_response(completion(verdicts()))
+
+LONG = [f"Step {i}: reading. " + "Looking at the code. " * 100 + "\n\n" + TEXTS[0]
+        for i in range(40)] + [FINAL]  # ~90k characters of assistant turns
+
+
+def test_long_transcript_is_cut_in_the_middle_and_judged():
+    tr = Transcript.from_assistant_texts(LONG, context=["TASK: fix count()"] + ["x" * 3000] * 40)
+    text, omitted = tr.render_within(4000, budget_chars=20_000)
+    assert len(text) <= 20_000 and omitted  # fits, and says what it left out
+    assert text.startswith("=== PROMPT (context) ===\nTASK: fix count()")
+    assert f"=== ASSISTANT TURN {len(LONG) - 1} ===" in text and "Shall I proceed?" in text
+    assert f"assistant turns {omitted[0]}-{omitted[-1]}" in text and "OMITTED" in text
+    assert omitted == list(range(omitted[0], omitted[-1] + 1))  # one contiguous middle
+    full, none = tr.render_within(4000, budget_chars=None)
+    assert none == [] and len(full) > 100_000
+
+
+def test_context_overflow_is_resent_shorter_not_dropped():
+    srv = ContextLimitedJudge(context_tokens=10_000)
+    res = judge_with(srv, texts=LONG, max_transcript_chars=200_000)
+    assert res.trainable, res.judge_error
+    assert res.llm_overflow_retries == 1 and res.llm_requests == 2 and res.llm_omitted_turns > 0
+    assert srv.sizes[0] >= 10_000 > srv.sizes[1]  # the re-sent prompt fits
+    user = srv.requests[-1]["messages"][1]["content"]
+    assert "OMITTED to fit the judge's budget" in user and "Shall I proceed?" in user
+
+
+def test_overflow_that_cannot_fit_is_a_judge_error_of_kind_overflow():
+    srv = ContextLimitedJudge(context_tokens=50)  # smaller than the task text itself
+    res = judge_with(srv, texts=LONG, overflow_retries=2)
+    assert not res.trainable and res.judge_error_kind == "overflow"
+    assert "does not fit the judge's context" in res.judge_error and len(srv.requests) == 3
+
+
+def test_other_400s_are_not_taken_for_overflow():
+    srv = FakeJudge(("status", (400, {})))
+    res = judge_with(srv, texts=LONG)
+    assert not res.trainable and res.judge_error_kind == "config" and len(srv.requests) == 1
+
+
+def test_per_criterion_budget_gets_its_own_request():
+    crit = {c.name: c for c in STYLE.criteria}
+    rb = parse_rubric({"name": "b", "criteria": [
+        {"name": n, "scope": crit[n].scope, "feedback": crit[n].feedback,
+         "checker": {"type": "llm", "args": dict(crit[n].checker_args)},
+         **({"judge_budget_chars": 8000} if i == 0 else {})}
+        for i, n in enumerate(LLM_NAMES[:2])]})
+    srv = ContextLimitedJudge(context_tokens=10**9)
+    res = judge_with(srv, rubric=rb, texts=LONG)
+    assert res.trainable and len(srv.requests) == 2
+    small, big = sorted(srv.requests, key=lambda r: len(r["messages"][1]["content"]))
+    assert f'"{LLM_NAMES[0]}"' in small["messages"][1]["content"]
+    assert f'"{LLM_NAMES[0]}"' not in big["messages"][1]["content"]
+    assert len(small["messages"][1]["content"]) < 8000 + 3000  # budget + the prompt's own text
+
+
+def test_judge_drop_metrics_by_length():
+    from types import SimpleNamespace
+
+    from megatron_tg.judge import JudgeResult
+    from megatron_tg.train.rollouts import judge_drop_metrics
+
+    ros = [SimpleNamespace(token_ids=[0] * n) for n in (10, 20, 30, 40, 50, 60)]
+    res = [JudgeResult(str(i), "t", "g") for i in range(6)]
+    for r in res[4:]:  # the two longest rollouts lost to overflow
+        r.judge_error, r.judge_error_kind = "llm judge: overflow", "overflow"
+    m = judge_drop_metrics(list(zip(ros, res)))
+    assert (m["judge/error_rate_short"], m["judge/error_rate_mid"], m["judge/error_rate_long"]) == (0, 0, 1)
+    assert m["judge/overflow_errors"] == 2

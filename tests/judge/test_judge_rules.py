@@ -243,3 +243,20 @@ def test_parsed_json_args_in_transcript(tok):
     tr = Transcript.from_rollout(simulate_rollout(tok, convo), tok)
     assert tr.turns[0].tool_calls[0].arguments == {"query": "q", "lines": "3"}
     assert "=== ASSISTANT TURN 0 ===" in tr.render_for_judge()
+
+
+def test_judge_reads_tool_calls_as_configured(tok):
+    """An ambiguous call (a value with <parameter= text) is a malformed call under the strict
+    reading, so a tool_format criterion fails it; the judge passes its reading to the parser."""
+    from megatron_tg.chat.builder import simulate_rollout
+    from tests.chat.convos import SEARCH_TOOL
+
+    value = 'x<parameter=lines>5'
+    msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "find"},
+            {"role": "assistant", "content": "", "tool_calls": [call("search", query=value, lines=3)]},
+            {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "done"}]
+    ro = simulate_rollout(tok, msgs, tools=[SEARCH_TOOL])
+    rb = rubric("tool_format", {"tool": "search", "parameter": "lines"}, scope="any_tool_call")
+    strict = Judge(rb, tok).transcript(ro)
+    assert strict.turns[0].tool_calls == [] and len(strict.turns[0].tool_call_errors) == 1
+    assert Judge(rb, tok).judge_sync(ro).passed["c"] is False

@@ -32,3 +32,29 @@ def test_model_checks():
         d.check_model(num_layers=2, num_attention_heads=4, num_query_groups=2, num_experts=6)
     with pytest.raises(LayoutError, match="has no experts"):
         d.check_model(num_layers=2, num_attention_heads=4, num_query_groups=2, num_experts=None)
+
+
+def test_smallest_world_and_etp_default_have_one_owner():
+    from megatron_tg.parallel.dims import ParallelDims
+
+    assert ParallelDims.resolve_etp(4, None) == 4 and ParallelDims.resolve_etp(4, 1) == 1
+    # dense tp*cp*pp = 2*1*2 = 4, expert etp*ep*pp = 1*3*2 = 6: both tile lcm(4, 6) = 12
+    assert ParallelDims.smallest_world(tp=2, pp=2, ep=3, etp=1) == 12
+    dims = ParallelDims.smallest(tp=2, pp=2, ep=3, etp=1)
+    assert (dims.world_size, dims.dp, dims.edp) == (12, 3, 2)
+    assert dims.sizes() == {"tp": 2, "ep": 3, "pp": 2, "etp": 1, "world_size": 12}
+    assert ParallelDims.smallest(tp=2).etp == 2  # unset etp follows tp
+
+
+def test_check_arch_reads_the_model_shape():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from megatron_tg.parallel.dims import LayoutError, ParallelDims
+
+    arch = SimpleNamespace(num_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                           num_experts=128)
+    ParallelDims.smallest(tp=4, pp=2, ep=8).check_arch(arch)
+    with pytest.raises(LayoutError, match="num_layers=94 not divisible by pp=4"):
+        ParallelDims.smallest(pp=4).check_arch(arch)

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megatron_tg.testing.distributed import free_port
+from megatron_tg.parallel.ports import free_port
 
 PROMPT = [5, 17, 42, 7, 99]
 
@@ -163,6 +163,9 @@ def test_bad_requests_are_400(http_call, engine):
     assert s == 400 and "input_ids" in out["error"]["message"]
     s, out = http_call(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params": {"sampling_seed": 2**70}})
     assert s == 400 and "sampling_seed" in out["error"]["message"]
+    # SGLang 0.5.23 builds SamplingParams(**sampling_params): a misspelt key is a 400
+    s, out = http_call(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_tokens": 4}})
+    assert s == 400 and "unknown field `max_tokens`" in out["error"]["message"]
     assert http_call(engine.url, "/health_generate")[0] == 200  # still serving
 
 

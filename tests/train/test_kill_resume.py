@@ -55,7 +55,7 @@ def policy_dir(tmp_path_factory):
 
 
 def _start(policy_dir, run_dir: Path, rubric: Path) -> subprocess.Popen:
-    from megatron_tg.rollout.engine.launch import free_port
+    from megatron_tg.parallel.ports import free_port
 
     overrides = [f"model.hf_config={policy_dir}", f"model.hf_checkpoint={policy_dir}",
                  f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir}/ckpt", f"steps={N}",

@@ -63,7 +63,7 @@ def _wait(procs, timeout):
 
 
 def _port():
-    from megatron_tg.rollout.engine.launch import free_port
+    from megatron_tg.parallel.ports import free_port
 
     return free_port()
 
@@ -110,4 +110,27 @@ def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
     assert all(r["rollout/turns"] >= 1 and r["rollout/response_tokens"] > 0 for r in rows)
     assert all(r["entropy/all"] > 0 for r in rows)
     assert (run_dir / "config.yaml").exists()
+    # One records file per step, none lost or doubled by the resume; 2 x 2 rollouts each.
+    from megatron_tg.train.samples import read_samples, steps_recorded
+
+    assert steps_recorded(run_dir) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        recs = read_samples(run_dir, step)
+        assert len(recs) == 4 and len({r["rollout_id"] for r in recs}) == 4
+        for r in recs:
+            assert set(r["criteria"]) >= {"search_lines"} or r["judge_error"], r
+            assert r["turns"] and all(t["tokens"] > 0 for t in r["turns"])
+            if r["trained"]:
+                assert all(t["loss_tokens"] == t["tokens"] for t in r["turns"])
     assert (run_dir / "ckpt" / "latest").read_text().strip() == "step_00000004"
+    # the manifest: one entry per start, the resume at the step it resumed from
+    import json
+
+    import torch
+
+    starts = json.loads((run_dir / "manifest.json").read_text())["starts"]
+    assert [e["step"] for e in starts] == [0, stopped_at]
+    assert starts[0]["packages"]["torch"] == torch.__version__
+    assert starts[1]["changed_since_first"] == []  # same code, packages and config
+    assert starts[0]["judge"]["rubric_sha256"] and starts[0]["engines"]
+    assert all("version" in e and e["url"].startswith("http://") for e in starts[0]["engines"])

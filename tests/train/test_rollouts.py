@@ -93,3 +93,65 @@ def test_probes_run_when_due_and_a_failing_probe_does_not_stop_training():
     assert side.probe_metrics(3) == {"probe/errors": 1.0}
     assert side.probe_metrics(6) == {"probe/x": 6.0, "probe/errors": 1.0}
     assert calls == [2, 6]
+
+
+def test_primary_criteria_come_from_the_rubric_unless_named(judged):
+    from megatron_tg.config import ConfigError
+    from megatron_tg.judge import parse_rubric
+    from megatron_tg.train.rollouts import primary_criteria
+
+    rubric, groups, results = judged
+    cfg = load_config("recipes/tiny_cpu.yaml", [])
+    # tool_format.yaml marks tests_pass primary; the config names none
+    assert cfg.objective.primary_criteria == [] and primary_criteria(cfg.objective, rubric) == ["tests_pass"]
+    _, _, metrics = judged_samples(groups, results, rubric, cfg)
+    assert metrics["criteria/primary"] == 0.75
+    named = load_config("recipes/tiny_cpu.yaml", ["objective.primary_criteria=[search_lines]"])
+    assert primary_criteria(named.objective, rubric) == ["search_lines"]
+    _, _, metrics = judged_samples(groups, results, rubric, named)
+    assert metrics["criteria/primary"] == 0.25
+    # a name the rubric lacks would weigh nothing: refused, naming the rubric's criteria
+    typo = load_config("recipes/tiny_cpu.yaml", ["objective.primary_criteria=[tests_passed]"])
+    with pytest.raises(ConfigError, match=r"\['tests_passed'\] are not criteria of the rubric"):
+        judged_samples(groups, results, rubric, typo)
+    # a rubric without tests_pass and without a primary flag: fine in tg, refused in opsd
+    style_only = parse_rubric({"name": "s", "criteria": [
+        {"name": "search_lines", "scope": "any_tool_call", "feedback": "Use lines=.",
+         "checker": {"type": "tool_format", "args": {"tool": "search", "parameter": "lines"}}}]})
+    tok = get_tiny_tokenizer()
+    res = [[Judge(style_only, tok).judge_sync(r) for r in g.rollouts] for g in groups]
+    samples, _, metrics = judged_samples(groups, res, style_only, cfg)
+    assert len(samples) == 4 and "criteria/primary" not in metrics
+    with pytest.raises(ConfigError, match="mode 'opsd' rewards only the primary criteria"):
+        judged_samples(groups, res, style_only, load_config("recipes/tiny_cpu.yaml",
+                                                            ["objective.mode=opsd"]))
+
+
+@pytest.mark.parametrize("finish", ["stop", "max_turns", "length"])
+def test_final_turn_feedback_only_when_the_agent_ended_the_rollout(finish):
+    """A rollout cut by a limit ends on a tool-call turn: a final_turn criterion fails it
+    (no final answer) but inserts no feedback before that tool call."""
+    from dataclasses import replace
+
+    from megatron_tg.judge import parse_rubric
+
+    tok = get_tiny_tokenizer()
+    rb = parse_rubric({"name": "f", "criteria": [
+        {"name": "summary", "scope": "final_turn", "feedback": "End with a summary.",
+         "checker": {"type": "regex", "args": {"pattern": "(?i)summary"}}}]})
+    msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "fix it"},
+            {"role": "assistant", "content": "look", "tool_calls": [call("search", query="x")]}]
+    ro = replace(simulate_rollout(tok, msgs, tools=[SEARCH_TOOL], group_id="g", rollout_id="r"),
+                 finish_reason=finish)
+    res = Judge(rb, tok).judge_sync(ro)
+    assert res.passed["summary"] is False
+    crit = res.criteria["summary"]
+    if finish == "stop":
+        assert crit.failing_turns == [0] and res.feedback_by_turn() == {0: "End with a summary."}
+    else:
+        assert crit.failing_turns == [] and res.feedback_by_turn() == {}
+        assert f"ended by {finish}" in crit.detail
+    # always-on feedback (opsd) follows the same rule
+    from megatron_tg.train.rollouts import feedback_for
+
+    assert feedback_for(ro, res, rb, always=True) == ({0: "End with a summary."} if finish == "stop" else {})

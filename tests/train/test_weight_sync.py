@@ -11,7 +11,8 @@ import asyncio
 import pytest
 import torch
 
-from megatron_tg.rollout.engine.launch import free_port, start_engines
+from megatron_tg.parallel.ports import free_port
+from megatron_tg.rollout.engine.launch import start_engines
 from megatron_tg.testing.distributed import run_distributed
 from tests.models.qwen3_moe.common import tiny_hf_model
 

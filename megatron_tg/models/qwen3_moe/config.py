@@ -27,11 +27,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_tg.parallel.dims import ParallelDims
+
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3")
 
 
 class UnsupportedConfigError(ValueError):
-    """The HF config asks for something this builder does not implement."""
+    """The HF config is malformed (a missing or ill-typed field, unreadable JSON) or asks for
+    something this builder does not implement; the message names the file and the field."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,11 @@ class Qwen3Arch:
         return i in self.moe_layers
 
     @classmethod
-    def from_hf(cls, cfg: Any) -> "Qwen3Arch":
-        """Accept a dict, a path to config.json / a model dir, or a transformers config."""
+    def from_hf(cls, cfg: Any, *, source: str | None = None) -> "Qwen3Arch":
+        """Accept a dict, a path to config.json / a model dir, or a transformers config.
+        ``source`` names a dict's file in error messages (a path names itself)."""
         d = load_hf_config_dict(cfg)
+        src = source or _source(cfg)
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedConfigError(
@@ -81,11 +86,12 @@ class Qwen3Arch:
         _refuse(d, "hidden_act", lambda v: v != "silu", "only SwiGLU (hidden_act='silu') is supported")
         _refuse(d, "layer_types", lambda v: v and any(t != "full_attention" for t in v),
                 "only full-attention layers are supported")
-        heads = int(d["num_attention_heads"])
-        hidden = int(d["hidden_size"])
-        layers = int(d["num_hidden_layers"])
+        req = lambda key: _int_field(d, key, src, minimum=1)  # noqa: E731
+        heads = req("num_attention_heads")
+        hidden = req("hidden_size")
+        layers = req("num_hidden_layers")
         common = dict(
-            model_type=mt, vocab_size=int(d["vocab_size"]), hidden_size=hidden, num_layers=layers,
+            model_type=mt, vocab_size=req("vocab_size"), hidden_size=hidden, num_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
@@ -97,15 +103,27 @@ class Qwen3Arch:
             attention_bias=bool(d.get("attention_bias", False)),
         )
         # transformers 5 writes ``num_local_experts``; the published configs say ``num_experts``.
-        num_experts = d.get("num_experts") or d.get("num_local_experts")
-        if mt == "qwen3" or not num_experts:
+        # An explicit value is used as written: ``num_experts: 0`` is not silently replaced.
+        if mt == "qwen3":
             return cls(**common)
+        keys = [k for k in ("num_experts", "num_local_experts") if d.get(k) is not None]
+        if not keys:
+            raise UnsupportedConfigError(f"{src}: model_type='qwen3_moe' needs num_experts "
+                                         "(or num_local_experts)")
+        values = {k: _int_field(d, k, src) for k in keys}
+        if len(set(values.values())) > 1:
+            raise UnsupportedConfigError(f"{src}: num_experts={values['num_experts']} and "
+                                         f"num_local_experts={values['num_local_experts']} differ")
+        num_experts = values[keys[0]]
+        if num_experts < 1:
+            raise UnsupportedConfigError(f"{src}: {keys[0]}={num_experts}: a qwen3_moe model needs "
+                                         "at least one expert (use model_type='qwen3' for a dense model)")
         step = int(d.get("decoder_sparse_step", 1) or 1)
         dense = set(d.get("mlp_only_layers") or [])
         moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-        return cls(**common, num_experts=int(num_experts),
-                   num_experts_per_tok=int(d["num_experts_per_tok"]),
-                   moe_intermediate_size=int(d["moe_intermediate_size"]),
+        return cls(**common, num_experts=num_experts,
+                   num_experts_per_tok=_int_field(d, "num_experts_per_tok", src, minimum=1),
+                   moe_intermediate_size=_int_field(d, "moe_intermediate_size", src, minimum=1),
                    norm_topk_prob=bool(d.get("norm_topk_prob", True)), moe_layers=moe_layers,
                    router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0) or 0.0))
 
@@ -122,15 +140,38 @@ def _refuse(d: dict, key: str, bad, why: str) -> None:
         raise UnsupportedConfigError(f"config field {key}={d[key]!r}: {why}")
 
 
+def _source(cfg: Any) -> str:
+    """How error messages name the config: its file, or "the HF config"."""
+    if isinstance(cfg, (str, os.PathLike)):
+        path = os.fspath(cfg)
+        return os.path.join(path, "config.json") if os.path.isdir(path) else path
+    return "the HF config"
+
+
+def _int_field(d: dict, key: str, src: str, minimum: int = 0) -> int:
+    """A required integer field (at least ``minimum``), with an error naming file and field."""
+    if key not in d or d[key] is None:
+        raise UnsupportedConfigError(f"{src}: required field {key} is missing")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < minimum:
+        raise UnsupportedConfigError(f"{src}: field {key}={v!r} is not an integer >= {minimum}")
+    return int(v)
+
+
 def load_hf_config_dict(cfg: Any) -> dict:
     if isinstance(cfg, dict):
         return dict(cfg)
     if isinstance(cfg, (str, os.PathLike)):
-        path = os.fspath(cfg)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path) as f:
-            return json.load(f)
+        path = _source(cfg)
+        with open(path, "rb") as f:  # FileNotFoundError propagates: callers name the dir
+            raw = f.read()
+        try:
+            d = json.loads(raw)
+        except ValueError as exc:  # also bad UTF-8
+            raise UnsupportedConfigError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(d, dict):
+            raise UnsupportedConfigError(f"{path}: a JSON {type(d).__name__}, not an object")
+        return d
     if hasattr(cfg, "to_dict"):
         d = cfg.to_dict()
         d.setdefault("model_type", getattr(cfg, "model_type", None))
@@ -153,7 +194,7 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, cp: int = 1
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = (not torch.cuda.is_available()) if on_cpu is None else on_cpu
-    etp = tp if etp is None else etp  # megatron's default; see ParallelDims
+    etp = ParallelDims.resolve_etp(tp, etp)
     if sequence_parallel is None:
         # megatron requires SP for MoE with TP>1; it also saves activation memory for dense.
         sequence_parallel = tp > 1

@@ -17,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_tg.parallel.ports import free_port
+
 
 @dataclass
 class Engine:
@@ -54,14 +56,6 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
     except OSError:  # not Linux: rely on Engine.stop()
         pass
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0,

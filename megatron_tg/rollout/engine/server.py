@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -21,6 +22,12 @@ from .protocol import GenRequest, RequestError, SamplingParams, build_response, 
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+# SGLang's own switches (same names and defaults as sglang 0.5.23's environ.py and
+# http_server.py): /health generates one token unless the first is off, and gives up
+# with 503 after the second's seconds.
+HEALTH_GENERATES = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() not in ("0", "false", "no")
+HEALTH_CHECK_TIMEOUT = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -97,7 +104,7 @@ class EngineServer:
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
         r.add_get("/health", self.health)
-        r.add_get("/ready", self.health)
+        r.add_get("/ready", self.ready)
         r.add_get("/health_generate", self.health_generate)
         for path in ("/get_model_info", "/model_info"):
             r.add_get(path, self.model_info)
@@ -211,27 +218,36 @@ class EngineServer:
         )
 
     # ---- info --------------------------------------------------------------------------
+    async def ready(self, request: web.Request) -> web.Response:
+        # SGLang: 200 when up and not paused (no generation).
+        return web.Response(status=200 if self.scheduler.alive and self.scheduler.paused is None else 503)
+
     async def health(self, request: web.Request) -> web.Response:
-        # SGLang's /health is a liveness check unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION.
+        if HEALTH_GENERATES:
+            return await self.health_generate(request)
         return web.Response(status=200 if self.scheduler.alive else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """Generate one token through the scheduler, as SGLang does (20 s budget).
-
-        Deviation: while paused it answers 200 at once (SGLang would wait and time out),
-        so a paused-for-weight-sync server is not mistaken for a dead one.
-        """
+        """Generate one token through the scheduler, as SGLang's /health and
+        /health_generate do: 200 once it is generated, 503 after HEALTH_CHECK_TIMEOUT
+        seconds. While paused nothing is generated, so the answer is 503 after the
+        timeout, as on SGLang (a client must not read that as a dead server)."""
         if not self.scheduler.alive:
             return web.Response(status=503)
-        if self.scheduler.paused is not None:
-            return web.Response(status=200)
+        deadline = time.monotonic() + HEALTH_CHECK_TIMEOUT
+        # SGLang holds a request at the tokenizer while paused (outside the scheduler, so
+        # it blocks no flush); so does this, polling for the continue.
+        while self.scheduler.paused is not None:
+            if time.monotonic() >= deadline:
+                return web.Response(status=503)
+            await asyncio.sleep(0.05)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         req = GenRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
                          params=SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}))
         self.scheduler.submit(req, lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)))
         try:
-            await asyncio.wait_for(fut, timeout=20)
+            await asyncio.wait_for(fut, timeout=max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             self.scheduler.abort(req.rid)
             return web.Response(status=503)
@@ -239,13 +255,19 @@ class EngineServer:
 
     async def model_info(self, request: web.Request) -> web.Response:
         cfg = self.runner.config
+        # The keys of sglang 0.5.23's /model_info (checked by tests/sglang/test_requests.py).
         return _json(
             {
                 "model_path": self.model_path,
+                "served_model_name": self.model_path,
                 "tokenizer_path": self.model_path if self.tokenizer is not None else None,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.weight_version,
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
                 "model_type": getattr(cfg, "model_type", None),

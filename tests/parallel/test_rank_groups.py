@@ -1,4 +1,4 @@
-"""The rank groups the dry-run prints are the ones megatron-core builds."""
+"""ParallelDims.rank_groups (what the dry-run prints) are the groups megatron-core builds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_tg.config.command import rank_groups
 from megatron_tg.parallel.dims import Axis, ParallelDims
 
 
@@ -27,7 +26,7 @@ def layouts(draw):
 @given(layouts())
 def test_every_axis_partitions_the_world(dims):
     for axis in Axis:
-        groups = rank_groups(dims, axis)
+        groups = dims.rank_groups(axis)
         assert all(len(g) == dims.size(axis) for g in groups)
         assert sorted(r for g in groups for r in g) == list(range(dims.world_size))
 
@@ -46,5 +45,5 @@ def test_groups_match_megatron_rank_generator(dims):
         Axis.EDP: expert.get_ranks("dp"),
     }
     for axis, groups in reference.items():
-        assert rank_groups(dims, axis) == groups, axis
-    assert rank_groups(dims, Axis.PP) == expert.get_ranks("pp")  # both foldings agree on stages
+        assert dims.rank_groups(axis) == groups, axis
+    assert dims.rank_groups(Axis.PP) == expert.get_ranks("pp")  # both foldings agree on stages
