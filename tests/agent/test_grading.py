@@ -113,7 +113,11 @@ FLIP = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runte
     {"setup.cfg": "[tool:pytest]\naddopts = -p tgflip\n", "tgflip.py": FLIP},
     {"sitecustomize.py": "import sys\nsys.argv += ['-p', 'tgflip']\n", "tgflip.py": FLIP,
      "x.pth": "import sitecustomize\n"},
-], ids=["conftest-root", "conftest-tests", "pytest.ini", "pyproject", "setup.cfg", "sitecustomize"])
+    {"tests/__init__.py": "import _pytest.config\n_pm = _pytest.config.get_plugin_manager\n" + FLIP.replace(
+        "import pytest", "import pytest, sys") + "\nimport _pytest.python\n_orig = _pytest.python.Function.runtest\n"
+        "def _rt(self):\n    if not self.nodeid.startswith('tests/'):\n        return _orig(self)\n"
+        "_pytest.python.Function.runtest = _rt\n"},
+], ids=["conftest-root", "conftest-tests", "pytest.ini", "pyproject", "setup.cfg", "sitecustomize", "tests-init"])
 def test_files_that_steer_the_test_runner_do_not_pass(grader, steer):
     g = grade(grader, {"calc.py": WRONG, **steer})
     assert not g.passed, (g.reason, g.output)
@@ -142,7 +146,10 @@ def test_deleting_the_tasks_conftest_or_test_files_does_not_help(grader):
     "_orig_call = Rn.call_runtest_hook\n"
     "def _no_fail(item, when, **kw):\n    ci = _orig_call(item, when, **kw)\n    ci.excinfo = None\n    return ci\n"
     "Rn.call_runtest_hook = _no_fail\n",
-], ids=["report-outcome", "skip-test-bodies", "swallow-exceptions"])
+    "import _pytest.reports as R\n_orig = R.TestReport.from_item_and_call.__func__\n"
+    "def _fake(cls, item, call):\n    rep = _orig(cls, item, call)\n    if item.nodeid.startswith('tests/'):\n"
+    "        rep.outcome, rep.longrepr = 'passed', None\n    return rep\nR.TestReport.from_item_and_call = classmethod(_fake)\n",
+], ids=["report-outcome", "skip-test-bodies", "swallow-exceptions", "only-under-tests"])
 def test_monkeypatching_pytest_from_the_solution_does_not_pass(grader, patch):
     g = grade(grader, {"calc.py": patch + WRONG})
     assert not g.passed and "canary" in g.reason, (g.reason, g.output)
