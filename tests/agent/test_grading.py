@@ -65,7 +65,8 @@ def test_correct_solution_passes_and_wrong_one_fails(grader):
 
 
 @pytest.mark.parametrize("snippet", ["import os\nos._exit(0)\n", "import sys\nsys.exit(0)\n",
-                                     "raise SystemExit(0)\n" + CORRECT])
+                                     "raise SystemExit(0)\n" + CORRECT],
+                         ids=["os._exit", "sys.exit", "SystemExit-at-import"])
 def test_exit_codes_do_not_pass(grader, snippet):
     """Issue #18 probe: `import os; os._exit(0)` was graded as passing."""
     g = grade(grader, {"calc.py": snippet})
