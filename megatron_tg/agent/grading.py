@@ -7,17 +7,18 @@ without doing the task is closed:
 * **exit codes** (``os._exit(0)`` at import, ``sys.exit`` in a fixture): never read; a test
   that did not run is "missing", and missing fails.
 * **the workspace steering the test runner**: grading runs on a fresh copy, never the
-  workspace; in the copy every ``conftest.py``, ``sitecustomize.py``, ``usercustomize.py`` and
-  ``*.pth`` the agent added is removed and the task's own are restored as they were;
+  workspace; in the copy every ``conftest.py``, ``sitecustomize.py``, ``usercustomize.py``,
+  ``*.pth`` and ``__init__.py`` of a test directory the agent added is removed and the
+  task's own are restored as they were;
   ``__pycache__``/``*.pyc`` are removed; pytest gets the grader's own ini file (``-c``), so
   ``pytest.ini`` / ``tox.ini`` / ``setup.cfg`` / ``pyproject.toml`` of the workspace are not
   read, plugin autoloading is off and its cache is not used; the task's test files are
   written from the task (its ``hidden_files`` and the test patch applied to the base commit),
   never taken from the workspace.
 * **monkeypatching from the solution** (pytest's reports, ``unittest`` asserts, ``builtins``):
-  two canary tests the grader adds, one that must fail and one that must pass; a tampered
-  runner that turns failures into passes (or a crash into silence) flips one of them, and
-  the whole grade fails.
+  canary tests the grader adds in every directory of required tests (randomly named), one
+  that must fail and one that must pass; a tampered runner that turns failures into passes
+  (or a crash into silence) flips one of them, and the whole grade fails.
 * **a forged report** (written by the tested code at import time, or rewritten by an exit
   hook or a leftover process): the report lives in a directory only the grading run can
   write (the agent's own tool calls never see it), and the runner signs it with a key the
@@ -134,13 +135,19 @@ def prepare_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True, ignore=ignore)
 
 
-def reset_steering_files(copy: Path, original: Path) -> list[str]:
+def reset_steering_files(copy: Path, original: Path, test_dirs: list[str] = ()) -> list[str]:
     """Remove the runner-steering files the agent added, restore the task's own; returns
-    the relative paths changed."""
+    the relative paths changed. In the directories of the required tests ``__init__.py``
+    counts too (code run at collection, like a conftest; elsewhere it is the solution's)."""
     changed = []
+
+    def steering(rel: str) -> bool:
+        name, d = os.path.basename(rel), os.path.dirname(rel)
+        return name in STEERING_NAMES or (name == "__init__.py" and d in test_dirs)
+
     for root, dirs, files in os.walk(copy):
         for n in files:
-            if n in STEERING_NAMES:
+            if steering(os.path.relpath(os.path.join(root, n), copy)):
                 rel = os.path.relpath(os.path.join(root, n), copy)
                 orig = original / rel
                 if orig.is_file() and not orig.is_symlink():
@@ -152,7 +159,7 @@ def reset_steering_files(copy: Path, original: Path) -> list[str]:
                     changed.append(rel)
     for root, dirs, files in os.walk(original):  # the task's own, if the agent deleted them
         for n in files:
-            if n in STEERING_NAMES:
+            if steering(os.path.relpath(os.path.join(root, n), original)):
                 rel = os.path.relpath(os.path.join(root, n), original)
                 if not (copy / rel).exists():
                     write_files(copy, {rel: Path(root, n).read_text(encoding="utf-8", errors="replace")})
@@ -192,15 +199,20 @@ class Grader:
 
     async def _grade(self, task: Task, workspace: Path, base: Path) -> GradeResult:
         ev, orig, grader, report = base / "ws", base / "orig", base / "grader", base / "report"
-        canary = f"test_tgcanary_{secrets.token_hex(6)}.py"
+        # A canary next to every directory of required tests, so that tampering aimed at
+        # "the tests under tests/" hits a canary too.
+        nonce = secrets.token_hex(6)
+        test_dirs = sorted({os.path.dirname(t.split("::", 1)[0]) for t in task.required_tests})
+        # distinct basenames: pytest refuses two rootless test modules of one name
+        canaries = [os.path.join(d, f"test_tgcanary_{nonce}_{i}.py") for i, d in enumerate(test_dirs)]
 
         def prepare() -> None:
             for d in (ev, orig, grader, report):
                 d.mkdir()
             materialize(task, orig)
             prepare_copy(workspace, ev)
-            reset_steering_files(ev, orig)
-            write_files(ev, {**grading_files(task), canary: CANARY})
+            reset_steering_files(ev, orig, test_dirs)
+            write_files(ev, {**grading_files(task), **{c: CANARY for c in canaries}})
             shutil.copyfile(RUNNER, grader / "run.py")
             (grader / "pytest.ini").write_text(GRADER_INI)
             for d in (grader, base):
@@ -209,7 +221,7 @@ class Grader:
             self.sandbox.adopt(report, ev)
 
         await asyncio.to_thread(prepare)
-        test_files = sorted({t.split("::", 1)[0] for t in task.required_tests} | {canary})
+        test_files = sorted({t.split("::", 1)[0] for t in task.required_tests} | set(canaries))
         ev_in = Path(self.sandbox.path_in(ev))  # where the command sees the copy (/testbed in an image)
         roots = os.pathsep.join(str(ev_in / p) for p in task.pythonpath)
         # Without isolation there are no private mount points: the real directories are used.
@@ -230,9 +242,9 @@ class Grader:
                                          if isolated else [])
         finally:
             os.close(r)
-        return self._verdict(task, report / "junit.xml", key, canary, res.describe())
+        return self._verdict(task, report / "junit.xml", key, canaries, res.describe())
 
-    def _verdict(self, task: Task, report: Path, key: bytes, canary: str, output: str) -> GradeResult:
+    def _verdict(self, task: Task, report: Path, key: bytes, canaries: list[str], output: str) -> GradeResult:
         missing = {t: "missing" for t in task.required_tests}
         sig = report.with_name("junit.xml.sig")
         if not report.is_file() or report.is_symlink() or report.stat().st_size > MAX_REPORT_BYTES:
@@ -245,9 +257,8 @@ class Grader:
             outcomes = parse_junit(data)
         except ET.ParseError as e:
             return GradeResult(False, missing, f"the report is not valid junitxml ({e})", output)
-        mod = canary[:-3]
-        if (outcomes.get((mod, "test_must_fail")) != "failed"
-                or outcomes.get((mod, "test_must_pass")) != "passed"):
+        if any(outcomes.get(junit_key(f"{c}::test_must_fail")) != "failed"
+               or outcomes.get(junit_key(f"{c}::test_must_pass")) != "passed" for c in canaries):
             return GradeResult(False, missing, "the grader's canary tests did not come out as they must "
                                "(the test run was tampered with)", output)
         results = {t: outcomes.get(junit_key(t), "missing") for t in task.required_tests}

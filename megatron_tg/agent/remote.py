@@ -231,7 +231,16 @@ def serve(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-episodes", type=int, default=256)
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.tasks=FILE")
     a = ap.parse_args(argv)
-    cfg = load_config(a.recipe, list(a.overrides)).rollout
+    from megatron_tg.config.base import ConfigError
+
+    try:
+        cfg = load_config(a.recipe, list(a.overrides)).rollout
+    except ConfigError as e:
+        if not str(e).startswith("model.hf_config: required"):
+            raise
+        # The worker reads only rollout.*; the schema's one mandatory model field is not its
+        # business, so a worker started without the trainer's recipe gets a stand-in.
+        cfg = load_config(a.recipe, ["model.hf_config=not-read-by-the-environment-worker", *a.overrides]).rollout
     if not cfg.tasks:
         ap.error("rollout.tasks must name the task file (the same one the trainer reads)")
     tasks = load_tasks(cfg.tasks, repos_root=cfg.repos_root)

@@ -65,7 +65,8 @@ def test_correct_solution_passes_and_wrong_one_fails(grader):
 
 
 @pytest.mark.parametrize("snippet", ["import os\nos._exit(0)\n", "import sys\nsys.exit(0)\n",
-                                     "raise SystemExit(0)\n" + CORRECT])
+                                     "raise SystemExit(0)\n" + CORRECT],
+                         ids=["os._exit", "sys.exit", "SystemExit-at-import"])
 def test_exit_codes_do_not_pass(grader, snippet):
     """Issue #18 probe: `import os; os._exit(0)` was graded as passing."""
     g = grade(grader, {"calc.py": snippet})
@@ -113,7 +114,11 @@ FLIP = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runte
     {"setup.cfg": "[tool:pytest]\naddopts = -p tgflip\n", "tgflip.py": FLIP},
     {"sitecustomize.py": "import sys\nsys.argv += ['-p', 'tgflip']\n", "tgflip.py": FLIP,
      "x.pth": "import sitecustomize\n"},
-], ids=["conftest-root", "conftest-tests", "pytest.ini", "pyproject", "setup.cfg", "sitecustomize"])
+    {"tests/__init__.py": "import _pytest.config\n_pm = _pytest.config.get_plugin_manager\n" + FLIP.replace(
+        "import pytest", "import pytest, sys") + "\nimport _pytest.python\n_orig = _pytest.python.Function.runtest\n"
+        "def _rt(self):\n    if not self.nodeid.startswith('tests/'):\n        return _orig(self)\n"
+        "_pytest.python.Function.runtest = _rt\n"},
+], ids=["conftest-root", "conftest-tests", "pytest.ini", "pyproject", "setup.cfg", "sitecustomize", "tests-init"])
 def test_files_that_steer_the_test_runner_do_not_pass(grader, steer):
     g = grade(grader, {"calc.py": WRONG, **steer})
     assert not g.passed, (g.reason, g.output)
@@ -142,7 +147,10 @@ def test_deleting_the_tasks_conftest_or_test_files_does_not_help(grader):
     "_orig_call = Rn.call_runtest_hook\n"
     "def _no_fail(item, when, **kw):\n    ci = _orig_call(item, when, **kw)\n    ci.excinfo = None\n    return ci\n"
     "Rn.call_runtest_hook = _no_fail\n",
-], ids=["report-outcome", "skip-test-bodies", "swallow-exceptions"])
+    "import _pytest.reports as R\n_orig = R.TestReport.from_item_and_call.__func__\n"
+    "def _fake(cls, item, call):\n    rep = _orig(cls, item, call)\n    if item.nodeid.startswith('tests/'):\n"
+    "        rep.outcome, rep.longrepr = 'passed', None\n    return rep\nR.TestReport.from_item_and_call = classmethod(_fake)\n",
+], ids=["report-outcome", "skip-test-bodies", "swallow-exceptions", "only-under-tests"])
 def test_monkeypatching_pytest_from_the_solution_does_not_pass(grader, patch):
     g = grade(grader, {"calc.py": patch + WRONG})
     assert not g.passed and "canary" in g.reason, (g.reason, g.output)
@@ -209,3 +217,31 @@ def test_builtin_tasks_reference_solutions_pass_and_starting_files_fail(grader):
     for t in tasks[:3]:
         g = grade(grader, {}, task=t)
         assert not g.passed, t.id
+
+
+def test_grading_as_an_unprivileged_caller():
+    """The user-namespace path end to end (run as `nobody` when we are root): a correct
+    solution the agent made unreadable passes, a wrong one fails."""
+    if os.geteuid() != 0:
+        pytest.skip("already unprivileged: the other tests of this file cover this path")
+    script = ("import asyncio, os, tempfile\n"
+              "from megatron_tg.agent.grading import Grader\n"
+              "from megatron_tg.agent.sandbox import Limits, Sandbox\n"
+              "from megatron_tg.agent.tasks import materialize, write_files\n"
+              "from tests.agent.test_grading import CORRECT, LIMITS, TASK, WRONG\n"
+              "sb = Sandbox('bwrap', limits=Limits(max_procs=512))\n"
+              "assert not sb.root\n"
+              "for code, lock in ((CORRECT, True), (WRONG, False)):\n"
+              "    ws = tempfile.mkdtemp()\n"
+              "    materialize(TASK, ws)\n"
+              "    write_files(ws, {'calc.py': code})\n"
+              "    if lock:\n"
+              "        os.chmod(os.path.join(ws, 'calc.py'), 0)\n"
+              "    g = asyncio.run(Grader(sb, LIMITS).grade(TASK, ws))\n"
+              "    print('GRADE', g.passed, g.reason)\n")
+    r = subprocess.run([shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                        "-c", script], env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"], "HOME": "/nonexistent"},
+                       capture_output=True, text=True, timeout=120, cwd="/")
+    grades = [ln for ln in r.stdout.splitlines() if ln.startswith("GRADE")]
+    assert r.returncode == 0 and len(grades) == 2, r.stdout + r.stderr
+    assert grades[0] == "GRADE True " and grades[1].startswith("GRADE False 2 of 3 required tests"), grades

@@ -92,3 +92,59 @@ def test_config_needs_a_token_file_with_a_url():
 
     with pytest.raises(ConfigError, match="rollout.sandbox_token_file: required with rollout.sandbox_url"):
         RolloutConfig(sandbox_url="http://127.0.0.1:8765").validate()
+
+
+def test_the_serve_command_and_a_harness_configured_by_url(tok, tmp_path):
+    """`python -m megatron_tg.agent.remote serve` as its own process on 127.0.0.1, and a
+    harness that only has rollout.sandbox_url / sandbox_token_file."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import megatron_tg
+    from megatron_tg.agent.tasks import BUILTIN_TASKS
+
+    repo = Path(megatron_tg.__file__).resolve().parent.parent
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_tg.agent.remote", "serve", "--token-file", str(token_file),
+                             "--port", str(port), f"rollout.tasks={BUILTIN_TASKS}", "rollout.test_timeout_s=30"],
+                            env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    cfg = RolloutConfig(sandbox_url=f"http://127.0.0.1:{port}", sandbox_token_file=str(token_file),
+                        max_turns=4, max_new_tokens=512, max_context_tokens=4096)
+    cfg.validate()
+    h = AgentHarness(tok, cfg)
+    fizz = next(t for t in builtin_tasks() if t.id == "fizzbuzz")
+
+    async def main():
+        for _ in range(100):  # the worker imports and loads its tasks first
+            try:
+                return await h.env.health()
+            except RemoteEnvironmentError:
+                await asyncio.sleep(0.1)
+        raise AssertionError("the worker did not answer")
+
+    try:
+        assert asyncio.run(main())["tasks"] == 16
+        ref = fizz.privileged["reference"]["solution.py"]
+        script = [turn(tok, "", None, ("write_file", {"path": "solution.py", "content": ref})), turn(tok, "Done.")]
+
+        async def roll():
+            try:
+                return await run_standalone(h, ScriptedClient(tok, script), fizz)
+            finally:
+                await h.env.aclose()
+
+        r = asyncio.run(roll())
+        assert r.metadata["tests_passed"] is True, r.metadata
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=20)[0]
+    assert proc.returncode in (0, -15), out
