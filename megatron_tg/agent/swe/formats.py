@@ -28,7 +28,7 @@ import os
 from typing import Any
 
 from megatron_tg.agent.swe.repos import find_mirror
-from megatron_tg.agent.tasks import Task, TaskFormatError, resolve_repo, test_ids
+from megatron_tg.agent.task_types import Task, TaskFormatError, resolve_repo, test_ids
 
 SWEBENCH_IMAGE = "docker.io/swebench/sweb.eval.x86_64.{id}:latest"
 """SWE-bench's published evaluation images; ``__`` in the id is spelled ``_1776_`` there."""

@@ -15,7 +15,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from megatron_tg.agent.tasks import TaskFormatError, safe_relpath
+from megatron_tg.agent.task_types import TaskFormatError, safe_relpath
 
 _DIFF_PATH = re.compile(r"^(?:---|\+\+\+) (?:[ab]/)?(\S+)", re.M)
 
