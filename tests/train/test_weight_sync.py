@@ -37,7 +37,7 @@ def _sync_fn(rank, world, state, hf_cfg, url, port, prompt):
             return await push_weights(None, None, model, arch, ctx, version=1, bucket_bytes=64 << 10)
         client = SGLangClient([url], timeout_s=60)
         group = await client.init_weights_update_group("127.0.0.1", port, group_name="tg-test")
-        await client.pause_generation(mode="in_place")
+        await client.pause_generation(mode="retract")
         stats = await push_weights(client, group, model, arch, ctx, version=1,
                                    bucket_bytes=64 << 10)
         await client.continue_generation()
