@@ -61,15 +61,18 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
-def _param_to_hf(name, p, arch, layout, ctx, ep_group) -> list[tuple[str, torch.Tensor]]:
-    """One megatron parameter, gathered over TP (and EP for experts), as HF tensors."""
+def _param_to_hf(name, p, arch, layout, ctx, ep_group, keep: bool) -> list[tuple[str, torch.Tensor]]:
+    """One megatron parameter, gathered over TP (and EP for experts), as HF tensors
+    (``keep``: on the rank that sends them; elsewhere only the gathers run)."""
     info = param_info(name, arch, layout)
     full = merge_tp_shards(name, _all_gather(p.detach(), ctx.group(Axis.ETP if info.is_expert else Axis.TP)),
                            arch, layout)
     if info.is_expert and dist.get_world_size(ep_group) > 1:
-        return [hf for r, t in enumerate(_all_gather(full, ep_group))
-                for hf in to_hf(name, t, arch, replace(layout, ep_rank=r))]
-    return list(to_hf(name, full, arch, layout))
+        gathered = _all_gather(full, ep_group)
+        del full
+        return [hf for r, t in enumerate(gathered) for hf in to_hf(name, t, arch, replace(layout, ep_rank=r))] \
+            if keep else []
+    return list(to_hf(name, full, arch, layout)) if keep else []
 
 
 @torch.no_grad()
@@ -96,7 +99,8 @@ def iter_hf_weights(model: torch.nn.Module, arch: Qwen3Arch, ctx) -> Iterator[tu
         if relay:
             names = _p2p_object(names, src)
         for name in names:
-            pieces = _param_to_hf(name, params[name], arch, layout, ctx, ep_group) if mine else []
+            keep = ctx.rank == 0 or (relay and mine)
+            pieces = _param_to_hf(name, params[name], arch, layout, ctx, ep_group, keep) if mine else []
             if relay:
                 pieces = _p2p_tensors(pieces, src)
             if ctx.rank == 0:
@@ -158,22 +162,25 @@ async def push_weights(client, group, model: torch.nn.Module, arch: Qwen3Arch, c
         await client.update_weights_from_distributed(group, what, flush_cache=False)
         stats.buckets += 1
 
-    if sender:
-        await client.begin_weight_update(group)
-    for name, t in iter_hf_weights(model, arch, ctx):
+    async def pack(name: str, t: torch.Tensor) -> None:
         d = dtype or t.dtype
         stats.tensors += 1
         stats.bytes += t.numel() * d.itemsize
-        if bucket.fits(t, d):
-            bucket.add(name, t, d)
-            continue
-        if bucket.names:
+        if not sender:
+            return
+        if not bucket.fits(t, d) and bucket.names:
             await send(bucket)
             bucket.clear()
         if bucket.fits(t, d):
             bucket.add(name, t, d)
         else:  # larger than a bucket: goes alone, as a plain per-tensor broadcast
             await send([(name, t.to(device=bucket.device, dtype=d).contiguous())])
+
+    if sender:
+        await client.begin_weight_update(group)
+    for item in iter_hf_weights(model, arch, ctx):
+        await pack(*item)
+        del item  # else it pins the previous parameter while the next one is gathered
     if sender:
         if bucket.names:
             await send(bucket)

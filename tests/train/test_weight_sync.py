@@ -1,15 +1,19 @@
 """Weight sync trainer -> engine at TP=2 x EP=2: afterwards the engine's log-probs for a fixed
-sequence equal the trainer's own (megatron, vocab-parallel) log-probs.
+sequence equal the trainer's own (megatron, vocab-parallel) log-probs, and no rank held more
+than one merged parameter plus one bucket at any time during the sync.
 
 The engine starts from *different* weights (another seed), so equality proves the sync.
+Peak memory is measured by following every tensor storage the sync creates (:class:`LiveBytes`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tg.rollout.engine.launch import free_port, start_engines
 from megatron_tg.testing.distributed import run_distributed
@@ -34,12 +38,11 @@ def _sync_fn(rank, world, state, hf_cfg, url, port, prompt):
 
     async def sync():
         if rank != 0:
-            return await push_weights(None, None, model, arch, ctx, version=1, bucket_bytes=64 << 10)
+            return await push_weights(None, None, model, arch, ctx, version=1, bucket_bytes=BUCKET)
         client = SGLangClient([url], timeout_s=60)
         group = await client.init_weights_update_group("127.0.0.1", port, group_name="tg-test")
         await client.pause_generation(mode="retract")
-        stats = await push_weights(client, group, model, arch, ctx, version=1,
-                                   bucket_bytes=64 << 10)
+        stats = await push_weights(client, group, model, arch, ctx, version=1, bucket_bytes=BUCKET)
         await client.continue_generation()
         res = await client.generate(prompt, {"temperature": 0.0, "max_new_tokens": 8,
                                              "ignore_eos": True}, return_logprob=True)
@@ -48,7 +51,8 @@ def _sync_fn(rank, world, state, hf_cfg, url, port, prompt):
         await client.close()
         return stats, res, version
 
-    out = asyncio.run(sync())
+    largest = max(_merged_bytes(name, p, arch, model) for name, p in model.named_parameters())
+    out, peak = peak_extra_bytes(lambda: asyncio.run(sync()), model)
     # Everyone needs the engine's output tokens to run the trainer's forward on them.
     box = [list(prompt) + list(out[1].output_ids) if rank == 0 else None]
     torch.distributed.broadcast_object_list(box, src=0)
@@ -63,17 +67,81 @@ def _sync_fn(rank, world, state, hf_cfg, url, port, prompt):
                                           ctx.group(Axis.TP), vocab_size=arch.vocab_size,
                                           reduce_hidden_grad=ops_reduce_hidden_grad(model))
     if rank != 0:
-        return None
+        return dict(peak=peak, largest=largest)
     stats, res, version = out
     return dict(trainer=lp, engine=torch.tensor(res.output_logprobs), version=version,
-                stats=stats.as_metrics())
+                stats=stats.as_metrics(), peak=peak, largest=largest)
+
+
+BUCKET = 16 << 10
+LAYERS = 8  # enough that the whole model is far larger than one parameter plus a bucket
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage created while active and still referenced by a tensor.
+
+    Every op's outputs are seen by the dispatcher; a storage counts from the first tensor
+    on it until the last such tensor is garbage. Storages that existed before (the model's
+    parameters, which ``detach`` views) are not extra. (torch's profiler cannot be used:
+    it records frees on the calling thread only, and gloo's worker thread often drops a
+    collective's last reference, so those tensors would look held forever.)"""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.existing = {t.untyped_storage().data_ptr() for t in existing}
+        self.storages: dict[int, list[int]] = {}  # data_ptr -> [nbytes, live tensors]
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr == 0 or ptr in self.existing:
+            return
+        entry = self.storages.get(ptr)
+        if entry is None:
+            entry = self.storages[ptr] = [st.nbytes(), 0]
+            self.live += entry[0]
+            self.peak = max(self.peak, self.live)
+        entry[1] += 1
+        weakref.finalize(t, self._release, ptr)
+
+    def _release(self, ptr: int) -> None:
+        entry = self.storages[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.storages[ptr]
+            self.live -= entry[0]
+
+
+def peak_extra_bytes(fn, model):
+    """(fn(), the most extra bytes the sync held at once)."""
+    with LiveBytes(list(model.parameters()) + list(model.buffers())) as meter:
+        out = fn()
+    return out, meter.peak
+
+
+def _merged_bytes(name, p, arch, model) -> int:
+    """Bytes of one parameter merged over TP (expert-TP) and, for experts, gathered over EP."""
+    from megatron_tg.models.qwen3_moe.mapping import current_layout, param_info
+
+    layout = current_layout(model=model)
+    if param_info(name, arch, layout).is_expert:
+        return p.numel() * p.element_size() * layout.etp * layout.ep
+    return p.numel() * p.element_size() * layout.tp
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     # The engine serves seed-1 weights; the trainer holds seed-0 weights.
     d = tmp_path_factory.mktemp("engine_model")
-    _, other, _ = tiny_hf_model(seed=1)
+    _, other, _ = tiny_hf_model(seed=1, num_hidden_layers=LAYERS)
     other.save_pretrained(d)
     (e,) = start_engines([d], tmp_path_factory.mktemp("engine_logs"))
     yield e
@@ -81,10 +149,19 @@ def engine(tmp_path_factory):
 
 
 def test_sync_makes_engine_logprobs_equal_trainer(engine):
-    cfg, model, state = tiny_hf_model(seed=0)
+    cfg, model, state = tiny_hf_model(seed=0, num_hidden_layers=LAYERS)
     prompt = [5, 17, 42, 7, 99, 3]
-    out = run_distributed(_sync_fn, 4, state, cfg.to_dict(), engine.url, free_port(), prompt)[0]
+    outs = run_distributed(_sync_fn, 4, state, cfg.to_dict(), engine.url, free_port(), prompt)
+    out = outs[0]
     assert list(out["version"].values()) == ["1"]
     assert out["stats"]["sync/tensors"] == len(state)  # every HF tensor, once
     assert out["stats"]["sync/buckets"] > 1
+    # Streaming: one merged parameter in flight (its TP gather buffers, the merge, the HF
+    # split: 3 copies at most) plus the one bucket on the sender, never the whole model.
+    total = out["stats"]["sync/bytes"]
+    for rank, r in enumerate(outs):
+        bound = 3 * r["largest"] + (BUCKET if rank == 0 else 0)
+        print(f"rank {rank}: peak extra {r['peak']} B during the sync; bound {bound} B; model {total} B")
+        assert 0 < r["peak"] <= bound
+    assert total > 2 * (3 * out["largest"] + BUCKET)  # so holding the whole model would fail
     torch.testing.assert_close(out["engine"], out["trainer"], atol=1e-4, rtol=1e-4)
