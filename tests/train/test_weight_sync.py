@@ -144,6 +144,7 @@ def engine(tmp_path_factory):
     _, other, _ = tiny_hf_model(seed=1, num_hidden_layers=LAYERS)
     other.save_pretrained(d)
     (e,) = start_engines([d], tmp_path_factory.mktemp("engine_logs"))
+    e.model_dir = d
     yield e
     e.stop()
 
@@ -165,3 +166,55 @@ def test_sync_makes_engine_logprobs_equal_trainer(engine):
         assert 0 < r["peak"] <= bound
     assert total > 2 * (3 * out["largest"] + BUCKET)  # so holding the whole model would fail
     torch.testing.assert_close(out["engine"], out["trainer"], atol=1e-4, rtol=1e-4)
+
+
+def test_probe_and_coverage_check_name_the_engine_and_the_weight(engine):
+    """The log-prob probe passes on the weights the engine loaded and stops, naming the
+    engine, when one weight is off; the weight checker's snapshot -> reset -> push ->
+    compare names the weight a push with a misnamed tensor left unwritten."""
+    from safetensors.torch import load_file
+
+    from megatron_tg.rollout.client import SGLangClient
+    from megatron_tg.train.weight_sync import (SyncCheckError, compare_logprobs, engine_logprobs,
+                                               probe_tokens, verify_coverage)
+
+    _, hf, _ = tiny_hf_model(seed=1, num_hidden_layers=LAYERS)
+    state = load_file(str(engine.model_dir / "model.safetensors"))
+    tokens = probe_tokens(hf.config.vocab_size, 32)
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), -1)
+    trainer = lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+
+    async def main():
+        async with SGLangClient([engine.url]) as client:
+            await client.update_weights_from_disk(str(engine.model_dir))  # the seed-1 weights again
+            group = await client.init_weights_update_group("127.0.0.1", free_port(), group_name="probe")
+
+            def push(named):
+                async def go():
+                    await client.begin_weight_update(group)
+                    await client.update_weights_from_distributed(group, named)
+                    await client.end_weight_update(group)
+                return go
+
+            try:
+                diff = compare_logprobs(engine.url, await engine_logprobs(client, engine.url, tokens), trainer,
+                                        0.02, version=1)
+                bad = dict(state, **{"model.norm.weight": state["model.norm.weight"] * 3})
+                await push(list(bad.items()))()
+                with pytest.raises(SyncCheckError, match=f"engine {engine.url} does not serve"):
+                    compare_logprobs(engine.url, await engine_logprobs(client, engine.url, tokens), trainer,
+                                     0.02, version=2)
+                await push(list(state.items()))()
+                typo = [(n + "_" if n == "model.norm.weight" else n, t) for n, t in state.items()]
+                with pytest.raises(SyncCheckError, match="name=model.norm.weight"):
+                    await verify_coverage(client, group, push(typo))
+                await push(list(state.items()))()
+                await verify_coverage(client, group, push(list(state.items())))  # all names right: passes
+            finally:
+                await client.destroy_weights_update_group(group)
+            return diff
+
+    diff = asyncio.run(main())
+    print(f"probe: mean |engine - HF| log-prob over {len(tokens) - 1} positions = {diff:.3g}")
+    assert diff < 1e-4
