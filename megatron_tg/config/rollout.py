@@ -139,9 +139,11 @@ class RolloutConfig:
     """Every this many syncs, each engine's log-probs of a fixed sequence are compared with
     the trainer's; a mismatch above sync_probe_tol stops training naming the engine. 0 = never."""
 
-    sync_probe_tol: float = 0.02
+    sync_probe_tol: float = 0.1
     """Largest mean |engine - trainer| log-prob difference over the probe sequence that still
-    counts as the same weights (bf16 engines differ from an fp32 trainer by rounding)."""
+    counts as the same weights. Rounding (bf16 kernels that differ between trainer and
+    engine) must stay below it; a skipped or wrong tensor moves log-probs far more. It
+    cannot see a one-step-stale engine (that is what the weight version check is for)."""
 
     sync_probe_tokens: int = 32
     """Length of the probe sequence (one prompt-log-prob request per engine per probe)."""

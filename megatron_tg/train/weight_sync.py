@@ -258,7 +258,7 @@ class SyncChecks:
 
     verify_coverage: bool = True
     probe_interval: int = 1
-    probe_tol: float = 0.02
+    probe_tol: float = 0.1
     probe_tokens: int = 32
     syncs: int = 0
 
