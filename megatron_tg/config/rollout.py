@@ -11,6 +11,7 @@ ENGINES = ("embedded", "sglang")
 SANDBOXES = ("bwrap", "none")
 STALE_POLICIES = ("drop", "regenerate")
 PAUSE_MODES = ("in_place", "retract", "abort")
+SYNC_BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass
@@ -126,6 +127,11 @@ class RolloutConfig:
     """Address the engines reach trainer rank 0 at for the weight-update group (SGLang's
     ``init_weights_update_group``); default: loopback for embedded engines, else this host."""
 
+    sync_backend: str = "auto"
+    """Transport of the weight-update group: "nccl" (GPU tensors; SGLang's default on
+    clusters), "gloo" (CPU tensors; the embedded engines) or "auto" = nccl when the trainer
+    has a GPU and the engines are SGLang servers, else gloo."""
+
     sync_bucket_mb: int = 512
     """Weight sync bucket size in MiB (one broadcast per bucket; rank 0 holds one bucket)."""
 
@@ -153,6 +159,7 @@ class RolloutConfig:
         check_choice("rollout.sandbox", self.sandbox, SANDBOXES)
         check_choice("rollout.stale_policy", self.stale_policy, STALE_POLICIES)
         check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
+        check_choice("rollout.sync_backend", self.sync_backend, SYNC_BACKENDS)
         check_range("rollout.max_inflight_rollouts", self.max_inflight_rollouts, ge=0)
         if self.max_inflight_rollouts and self.max_inflight_rollouts < self.group_size:
             raise ConfigError(f"rollout.max_inflight_rollouts: must be 0 (auto) or >= rollout.group_size="

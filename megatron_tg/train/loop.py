@@ -98,10 +98,12 @@ def sync_weights(trainer: Trainer, side, checks: SyncChecks, *, restart: bool = 
 
 def _weight_group(side):
     if side.weight_group is None:
-        host = side.cfg.rollout.sync_master_address or (
-            "127.0.0.1" if side.engines else socket.gethostname())
+        r = side.cfg.rollout
+        host = r.sync_master_address or ("127.0.0.1" if side.engines else socket.gethostname())
+        backend = r.sync_backend if r.sync_backend != "auto" else (
+            "nccl" if r.engine == "sglang" and torch.cuda.is_available() else "gloo")
         side.weight_group = side.call(side.client.init_weights_update_group(
-            host, free_port(), group_name="tg-weights"))
+            host, free_port(), group_name="tg-weights", backend=backend))
     return side.weight_group
 
 

@@ -424,3 +424,33 @@ def test_unknown_weight_names_are_skipped_but_the_checker_names_what_was_missed(
         assert check("compare") == (200, {"success": True, "message": "Success."})
     finally:
         http_call(engine.url, "/update_weights_from_disk", {"model_path": str(model_a)})
+
+
+def test_an_engine_older_than_the_pinned_range_is_refused_by_version(http_call, engine_launcher, model_plain):
+    """An engine following SGLang 0.5.20's rules: no weight-update sessions, and a paused
+    flush fails while retracted requests wait (from 0.5.21 it ignores them). The client
+    reads its version from /server_info and refuses it before forming any group."""
+    from megatron_tg.rollout.client import SGLangClient, SGLangClientError
+    from megatron_tg.rollout.engine.launch import start_engines
+
+    (old,) = start_engines([model_plain], model_plain / "logs", extra_args=["--sglang-version", "0.5.20"])
+    try:
+        info = http_call(old.url, "/server_info")[1]
+        assert (info["version"], info["tp_size"], info["pp_size"], info["dp_size"]) == ("0.5.20", 1, 1, 1)
+        assert http_call(old.url, "/begin_weight_update", {})[0] == 404
+        t, box = _run_in_thread(lambda: gen(http_call, old, temperature=0, max_new_tokens=2000, ignore_eos=True))
+        _wait_running(http_call, old)
+        http_call(old.url, "/pause_generation", {"mode": "retract"})
+        assert http_call(old.url, "/flush_cache", {})[0] == 400  # the retracted request waits
+        http_call(old.url, "/continue_generation", {})
+        http_call(old.url, "/abort_request", {"abort_all": True})
+        t.join(60)
+
+        async def trainer():
+            async with SGLangClient([old.url]) as client:
+                await client.init_weights_update_group("127.0.0.1", free_port())
+
+        with pytest.raises(SGLangClientError, match=f"{old.url} runs SGLang 0.5.20, older than 0.5.21"):
+            asyncio.run(trainer())
+    finally:
+        old.stop()
