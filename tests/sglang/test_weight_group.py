@@ -23,6 +23,7 @@ import functools
 import os
 import types
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -56,25 +57,29 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _engine_gpu(engine: int, tp_rank: int, tp_port: int, master_port: int, rank_offset: int,
-                world_size: int, inbox, outbox) -> None:
+                world_size: int, backend: str, inbox, outbox) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        device = "cpu"
+        if backend == "nccl":  # one GPU per group member, as on a node: the trainer has GPU 0
+            torch.cuda.set_device(rank_offset + tp_rank)
+            device = "cuda"
         import torch.distributed as dist
         from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
         # The engine's own TP group; SGLang asserts a default process group exists.
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=tp_rank, world_size=2)
-        me = types.SimpleNamespace(tp_rank=tp_rank, device="cpu", _model_update_group={})
+        me = types.SimpleNamespace(tp_rank=tp_rank, device=device, _model_update_group={})
         me._receive_bucketed_weights_from_distributed = functools.partial(
             WeightUpdater._receive_bucketed_weights_from_distributed, me)
         ok, msg = WeightUpdater.init_weights_update_group(me, "127.0.0.1", master_port, rank_offset, world_size,
-                                                          GROUP, backend="gloo")
+                                                          GROUP, backend=backend)
         rank = me._model_update_group[GROUP].rank() if ok else None
         got = []
         while ok and (req := inbox.get(timeout=TIMEOUT_S)) is not None:
             # As raw bytes: a tensor through a queue would be shared memory owned by this process.
-            got += [(n, str(t.dtype), tuple(t.shape), _bits(t).numpy().tobytes())
+            got += [(n, str(t.dtype), tuple(t.shape), _bits(t.cpu()).numpy().tobytes())
                     for n, t in WeightUpdater.receive_weights_from_distributed(
                 me, names=req["names"], dtypes=req["dtypes"], shapes=req["shapes"], group_name=GROUP,
                 load_format=req.get("load_format"))]
@@ -87,7 +92,13 @@ def _engine_gpu(engine: int, tp_rank: int, tp_port: int, master_port: int, rank_
         outbox.put((engine, tp_rank, False, traceback.format_exc() + repr(exc), None, []))
 
 
-def test_two_tp2_engines_join_via_sglangs_helper_and_receive_bit_exact():
+@pytest.mark.parametrize("backend", [
+    "gloo",
+    # The GPU twin: the same code with NCCL and GPU tensors (five GPUs: trainer + 2 x TP 2).
+    pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 5, reason="needs 5 CUDA GPUs")]),
+])
+def test_two_tp2_engines_join_via_sglangs_helper_and_receive_bit_exact(backend):
     infos = [EngineInfo(f"engine{i}", "0.5.23", tp_size=2) for i in range(2)]
     world, offsets = group_layout(infos)
     assert (world, offsets) == (5, [1, 3])
@@ -101,19 +112,21 @@ def test_two_tp2_engines_join_via_sglangs_helper_and_receive_bit_exact():
             inbox = ctx.Queue()
             inboxes.append(inbox)
             procs.append(ctx.Process(target=_engine_gpu, args=(e, tp, tp_port, master_port, offsets[e], world,
-                                                               inbox, outbox), daemon=True))
+                                                               backend, inbox, outbox), daemon=True))
     for p in procs:
         p.start()
     bodies = []
     try:
-        group = init_weight_update_group("127.0.0.1", master_port, 0, world, GROUP, "gloo", timeout_s=TIMEOUT_S)
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        group = init_weight_update_group("127.0.0.1", master_port, 0, world, GROUP, backend, timeout_s=TIMEOUT_S)
 
         def post(body):  # what /update_weights_from_distributed would carry to each engine
             bodies.append(body)
             for q in inboxes:
                 q.put(body)
 
-        bucket = FlatBucket(512, torch.device("cpu"))
+        bucket = FlatBucket(512, group.device)
         tensors = weights()
         for name, t in tensors[:-1]:
             if not bucket.fits(t):
@@ -151,7 +164,6 @@ def test_two_tp2_engines_join_via_sglangs_helper_and_receive_bit_exact():
 def test_flat_buckets_are_what_sglangs_bucket_accepts():
     """0.5.23's ``FlattenedTensorBucket.empty`` refuses a tensor at a byte offset that is not
     a multiple of its element size; FlatBucket never produces one, naive packing does."""
-    import pytest
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     tensors = weights()
