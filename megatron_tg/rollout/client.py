@@ -141,6 +141,7 @@ class SGLangClient(WeightUpdateCalls):
         self.admin_timeout_s = admin_timeout_s
         self.stats = ClientStats()
         self.expected_weight_version: str | None = None
+        self._engine_infos: dict = {}  # url -> EngineInfo, read once (weight_client)
         self._rr = itertools.count()
         self._active: dict[str, _Logical] = {}
         self._background: set[asyncio.Task] = set()

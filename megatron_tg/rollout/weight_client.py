@@ -114,16 +114,17 @@ class _AdminCalls(Protocol):
 
 
 class WeightUpdateCalls:
-    """Weight-update endpoints; every call here is strict: an engine that misses one
+    """Weight-update endpoints, mixed into ``SGLangClient`` (which provides what
+    :class:`_AdminCalls` lists). Every call here is strict: an engine that misses one
     would serve other weights than the rest."""
 
     _engine_infos: dict[str, EngineInfo]
 
-    async def engine_info(self: _AdminCalls, url: str) -> EngineInfo:
+    async def engine_info(self, url: str) -> EngineInfo:
         """Version and parallel sizes of one server (read once, then cached)."""
         from .client import SGLangClientError
 
-        cache = self.__dict__.setdefault("_engine_infos", {})
+        cache = self._engine_infos
         if url not in cache:
             try:
                 body = await self._call(url, "GET", "/server_info")

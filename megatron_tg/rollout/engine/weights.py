@@ -206,6 +206,12 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
 
     if not group_name:
         raise ValueError("the weight-update group needs a non-empty group_name")
+    if backend == "nccl" and dist.is_initialized() and getattr(c10d._get_default_group(), "bound_device_id", None):
+        # torch would then build this communicator by splitting the default one, whose
+        # members are not this group's: it would hang.
+        raise RuntimeError("the weight-update group cannot use NCCL in a process whose default process group "
+                           "is bound to a device (init_process_group(device_id=...)); initialise it without "
+                           "device_id")
     timeout = timedelta(seconds=timeout_s)
     host = f"[{master_address}]" if ":" in master_address else master_address
     store, rank, world_size = next(c10d.rendezvous(f"tcp://{host}:{int(master_port)}", rank, world_size,
