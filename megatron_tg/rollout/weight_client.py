@@ -34,7 +34,7 @@ from .engine.weights import FlatBucket, WeightUpdateGroup, init_weight_update_gr
 log = logging.getLogger(__name__)
 
 MIN_SGLANG = Version("0.5.21")
-"""Oldest SGLang whose weight-update rules this client follows (begin/end sessions, a
+"""Oldest SGLang whose weight-update rules this client follows (begin/end weight-update calls, a
 paused flush that ignores retracted requests)."""
 UNTESTED_FROM = Version("0.6")
 
@@ -77,7 +77,7 @@ def check_weight_sync(info: EngineInfo) -> None:
     if v < MIN_SGLANG:
         raise SGLangClientError(
             f"{info.url} runs SGLang {info.version}, older than {MIN_SGLANG}, the oldest release weight sync "
-            f"supports (it has no begin/end weight-update sessions, and its flush fails while retracted "
+            f"supports (it has no begin/end weight-update calls, and its flush fails while retracted "
             f"requests wait); install sglang>={MIN_SGLANG},<{UNTESTED_FROM}")
     if v >= UNTESTED_FROM:
         log.warning("%s runs SGLang %s; weight sync was tested up to %s only", info.url, info.version, "0.5.23")

@@ -321,7 +321,7 @@ def test_update_weights_from_distributed_equals_disk(http_call, engine, model_a,
     assert list(versions.values())[0].isdigit()  # no version given: bumped to the update count
 
 
-def test_distributed_update_outside_a_session_is_refused(http_call, engine, model_a):
+def test_distributed_update_outside_begin_end_is_refused(http_call, engine, model_a):
     """Finding 3: from SGLang 0.5.21 an update outside begin/end is a 400 before the engine
     joins the broadcast, so the sender's broadcast only ends at the group's timeout."""
     from megatron_tg.rollout.client import SGLangClient, SGLangClientError
@@ -347,7 +347,7 @@ def test_distributed_update_outside_a_session_is_refused(http_call, engine, mode
     asyncio.run(trainer())
 
 
-def _session(http_call, engine, path, body):
+def _between_begin_end(http_call, engine, path, body):
     assert http_call(engine.url, "/begin_weight_update", {})[0] == 200
     try:
         return http_call(engine.url, path, body)
@@ -369,7 +369,7 @@ def test_flush_fails_while_paused_in_place_and_succeeds_retracted(http_call, eng
         http_call(engine.url, "/pause_generation", {"mode": "in_place"})
         assert http_call(engine.url, "/flush_cache", {})[0] == 400
         body = {"serialized_named_tensors": [encode_named_tensors([(name, original * 3)])]}
-        s, out = _session(http_call, engine, "/update_weights_from_tensor", body)
+        s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)
         assert s == 400 and "cache was not flushed" in out["message"]
         got = torch.tensor(http_call(engine.url, "/get_weights_by_name", {"name": name})[1])
         assert torch.equal(got, original * 3)  # loaded all the same, as SGLang does
@@ -377,7 +377,7 @@ def test_flush_fails_while_paused_in_place_and_succeeds_retracted(http_call, eng
         http_call(engine.url, "/pause_generation", {"mode": "retract"})
         assert http_call(engine.url, "/flush_cache", {})[0] == 200
         body = {"serialized_named_tensors": [encode_named_tensors([(name, original)])], "flush_cache": True}
-        s, out = _session(http_call, engine, "/update_weights_from_tensor", body)
+        s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)
         assert s == 200 and out["success"], out
     finally:
         http_call(engine.url, "/continue_generation", {})
@@ -392,12 +392,12 @@ def test_update_weights_from_tensor(http_call, engine, model_a):
     name = "model.norm.weight"
     original = dict(iter_checkpoint(str(model_a)))[name]
     body = {"serialized_named_tensors": [encode_named_tensors([(name, original * 2)])], "weight_version": "t"}
-    assert http_call(engine.url, "/update_weights_from_tensor", body)[0] == 400  # outside a session
-    s, out = _session(http_call, engine, "/update_weights_from_tensor", body)
+    assert http_call(engine.url, "/update_weights_from_tensor", body)[0] == 400  # outside begin/end
+    s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)
     assert s == 200 and out["success"], out
     assert torch.equal(torch.tensor(http_call(engine.url, "/get_weights_by_name", {"name": name})[1]), original * 2)
     body = {"serialized_named_tensors": [encode_named_tensors([(name, original)])]}
-    assert _session(http_call, engine, "/update_weights_from_tensor", body)[1]["success"]
+    assert _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)[1]["success"]
 
 
 def test_unknown_weight_names_are_skipped_but_the_checker_names_what_was_missed(http_call, engine, model_a):
@@ -411,7 +411,7 @@ def test_unknown_weight_names_are_skipped_but_the_checker_names_what_was_missed(
     check = lambda action: http_call(engine.url, "/weights_checker", {"action": action})  # noqa: E731
     try:
         assert check("snapshot")[0] == 200 and check("reset_tensors")[0] == 200
-        s, out = _session(http_call, engine, "/update_weights_from_tensor",
+        s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor",
                           {"serialized_named_tensors": [encode_named_tensors(typo)]})
         assert s == 200 and out["success"]  # the bad name went unnoticed by the loader
         s, out = check("compare")
@@ -419,7 +419,7 @@ def test_unknown_weight_names_are_skipped_but_the_checker_names_what_was_missed(
         # With every name right the same sequence passes (from the real weights again).
         http_call(engine.url, "/update_weights_from_disk", {"model_path": str(model_a)})
         assert check("snapshot")[0] == 200 and check("reset_tensors")[0] == 200
-        _session(http_call, engine, "/update_weights_from_tensor",
+        _between_begin_end(http_call, engine, "/update_weights_from_tensor",
                  {"serialized_named_tensors": [encode_named_tensors(tensors)]})
         assert check("compare") == (200, {"success": True, "message": "Success."})
     finally:
@@ -427,7 +427,7 @@ def test_unknown_weight_names_are_skipped_but_the_checker_names_what_was_missed(
 
 
 def test_an_engine_older_than_the_pinned_range_is_refused_by_version(http_call, engine_launcher, model_plain):
-    """An engine following SGLang 0.5.20's rules: no weight-update sessions, and a paused
+    """An engine following SGLang 0.5.20's rules: no begin/end weight-update calls, and a paused
     flush fails while retracted requests wait (from 0.5.21 it ignores them). The client
     reads its version from /server_info and refuses it before forming any group."""
     from megatron_tg.rollout.client import SGLangClient, SGLangClientError

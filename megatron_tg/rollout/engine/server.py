@@ -63,7 +63,7 @@ class EngineServer(WeightEndpoints):
         self.num_updates = 0
         self.groups: dict[str, W.WeightUpdateGroup] = {}
         self.rules = SGLangRules(sglang_version)  # the release whose weight-update rules apply
-        self.session_open = False
+        self.update_open = False  # between /begin_weight_update and /end_weight_update
         self.checker = W.WeightChecker(self.runner.model)
         self.started = time.time()
 

@@ -46,7 +46,7 @@ class SGLangRules:
     def __init__(self, version: str = "0.5.23"):
         self.version = version
         v = Version(version)
-        self.weight_sessions = v >= Version("0.5.21")
+        self.begin_end_required = v >= Version("0.5.21")
         self.paused_flush_ignores_waiting = v >= Version("0.5.21")
 
 
@@ -54,7 +54,7 @@ class WeightEndpoints:
     """Mixed into ``EngineServer``: needs scheduler, loader, checker, groups, rules, _call, _body."""
 
     rules: SGLangRules
-    session_open: bool
+    update_open: bool
     groups: dict[str, W.WeightUpdateGroup]
 
     def add_weight_routes(self, r: web.UrlDispatcher) -> None:
@@ -65,7 +65,7 @@ class WeightEndpoints:
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        if self.rules.weight_sessions:
+        if self.rules.begin_end_required:
             r.add_post("/begin_weight_update", self.begin_weight_update)
             r.add_post("/end_weight_update", self.end_weight_update)
         for method in ("GET", "POST"):
@@ -92,25 +92,26 @@ class WeightEndpoints:
         return _json({"success": True, "message": f"Weight version updated to {self.weight_version}",
                       "new_version": self.weight_version})
 
-    # ---- sessions ----------------------------------------------------------------------
+    # ---- begin / end ---------------------------------------------------------------------
+    # Messages below are SGLang 0.5.23's own wording.
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         await self._body(request)
-        if self.session_open:
+        if self.update_open:
             return _json({"success": False, "message": "a weight-update session is already open; "
                           "call end_weight_update() first"}, 400)
-        self.session_open = True
+        self.update_open = True
         return _json({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         await self._body(request)
-        if not self.session_open:
+        if not self.update_open:
             return _json({"success": False, "message": "no weight-update session is open; "
                           "call begin_weight_update() first"}, 400)
-        self.session_open = False
+        self.update_open = False
         return _json({"success": True, "message": "Success"})
 
-    def _outside_session(self, what: str) -> web.Response | None:
-        if self.rules.weight_sessions and not self.session_open:
+    def _outside_begin_end(self, what: str) -> web.Response | None:
+        if self.rules.begin_end_required and not self.update_open:
             return _json({"success": False, "message": f"{what} must run between begin_weight_update() "
                           "and end_weight_update()"}, 400)
         return None
@@ -153,7 +154,7 @@ class WeightEndpoints:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        if (refused := self._outside_session("update_weights_from_tensor")) is not None:
+        if (refused := self._outside_begin_end("update_weights_from_tensor")) is not None:
             return refused
         try:
             tensors = [nt for s in body["serialized_named_tensors"] for nt in W.decode_named_tensors(s)]
@@ -196,7 +197,7 @@ class WeightEndpoints:
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        if (refused := self._outside_session("update_weights_from_distributed")) is not None:
+        if (refused := self._outside_begin_end("update_weights_from_distributed")) is not None:
             return refused  # before joining the broadcast, as SGLang: the sender's broadcast then hangs
         name = body.get("group_name", "weight_update_group")
         group = self.groups.get(name)
