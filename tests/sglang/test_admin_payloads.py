@@ -2,8 +2,9 @@
 against SGLang 0.5.23's own request classes (``sglang.srt.managers.io_struct``).
 
 Which class an endpoint parses its body into is read from SGLang's own
-``srt/entrypoints/http_server.py`` (its ``Annotated[<Class>, Body()]`` parameters; that
-module itself cannot be imported on CPU: it pulls the CUDA kernels). Each body is then
+``srt/entrypoints/http_server.py`` (its ``Annotated[<Class>, Body()]`` parameters, parsed with ``ast``:
+importing that module needs serving packages outside the light set this lane installs,
+xgrammar first). Each body is then
 validated the way FastAPI validates it (pydantic, from JSON) and must use only fields the
 class has: SGLang ignores unknown fields silently, so a misspelt one would be lost.
 
