@@ -38,7 +38,8 @@ waits about 20 s and answers 503. While this client has the servers paused it ch
 liveness with ``/model_info`` instead (no generation), so a paused engine is never taken
 for a dead one.
 
-Admin calls (pause/continue/flush/weight updates) are broadcast to every server.
+Admin calls (pause/continue/flush/weight updates) are broadcast to every server; the
+weight-update protocol SGLang accepts is in :mod:`megatron_tg.rollout.weight_client`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import aiohttp
+
+from .weight_client import TrainerWeightGroup, WeightUpdateCalls  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +120,6 @@ class ClientStats:
     abort_failures: int = 0  # client-sent aborts a server answered with an error (logged)
 
 
-@dataclass
-class TrainerWeightGroup:
-    """Trainer-side handle of a gloo weight-update group (rank 0)."""
-
-    group: Any  # megatron_tg.rollout.engine.weights.WeightUpdateGroup
-    group_name: str
-    servers: list[str]
-
-
 class _Logical:
     def __init__(self, rid: str):
         self.rid = rid
@@ -134,7 +128,7 @@ class _Logical:
         self.live: dict[asyncio.Task, tuple[ServerState, str]] = {}
 
 
-class SGLangClient:
+class SGLangClient(WeightUpdateCalls):
     def __init__(
         self,
         urls: Sequence[str],
@@ -167,6 +161,7 @@ class SGLangClient:
         self.admin_timeout_s = admin_timeout_s
         self.stats = ClientStats()
         self.expected_weight_version: str | None = None
+        self._engine_infos: dict = {}  # url -> EngineInfo, read once (weight_client)
         self._rr = itertools.count()
         self._active: dict[str, _Logical] = {}
         self._background: set[asyncio.Task] = set()
@@ -638,64 +633,6 @@ class SGLangClient:
         ok = await self.broadcast("POST", "/update_weights_from_tensor", body)
         await self._after_weight_update(ok, weight_version)
         return ok
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        group_name: str = "weight_update_group",
-        backend: str = "gloo",
-        servers: Sequence[str] | None = None,
-    ) -> TrainerWeightGroup:
-        """Create the trainer(rank 0)-to-engines group; engine i gets rank_offset 1+i."""
-        from .engine.weights import create_weight_update_group
-
-        urls = list(servers) if servers is not None else list(self.admin_urls)
-        world = 1 + len(urls)
-        posts = [
-            self._call(u, "POST", "/init_weights_update_group",
-                       {"master_address": master_address, "master_port": master_port, "rank_offset": 1 + i,
-                        "world_size": world, "group_name": group_name, "backend": backend})
-            for i, u in enumerate(urls)
-        ]
-        mine = asyncio.to_thread(create_weight_update_group, master_address, master_port, 0, world, group_name, backend)
-        results = await asyncio.gather(mine, *posts, return_exceptions=True)
-        errors = [(u, r) for u, r in zip(["<trainer>"] + urls, results) if isinstance(r, BaseException)]
-        if errors:
-            raise SGLangClientError(f"init_weights_update_group failed: {errors}", errors=errors)
-        return TrainerWeightGroup(results[0], group_name, urls)
-
-    async def update_weights_from_distributed(
-        self,
-        group: TrainerWeightGroup,
-        named_tensors: Sequence[tuple[str, Any]],
-        weight_version: str | None = None,
-        load_format: str | None = None,
-        flush_cache: bool = True,
-    ) -> dict[str, Any]:
-        """Broadcast tensors to every engine in ``group`` while their HTTP calls are open."""
-        from .engine.weights import describe, send_broadcast
-
-        body = {**describe(named_tensors), "group_name": group.group_name, "flush_cache": flush_cache}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        if load_format is not None:
-            body["load_format"] = load_format
-        posts = [asyncio.ensure_future(self._call(u, "POST", "/update_weights_from_distributed", body))
-                 for u in group.servers]
-        sent = asyncio.to_thread(send_broadcast, group.group, named_tensors, load_format)
-        results = await asyncio.gather(sent, *posts, return_exceptions=True)
-        errors = [(u, r) for u, r in zip(["<trainer>"] + group.servers, results) if isinstance(r, BaseException)]
-        if errors:
-            raise SGLangClientError(f"update_weights_from_distributed failed: {errors}", errors=errors)
-        ok = dict(zip(group.servers, results[1:]))
-        await self._after_weight_update(ok, weight_version)
-        return ok
-
-    async def destroy_weights_update_group(self, group: TrainerWeightGroup) -> None:
-        await self.broadcast("POST", "/destroy_weights_update_group", {"group_name": group.group_name},
-                             servers=group.servers)
-        group.group.close()
 
 
 def _loads(text: str) -> Any:
