@@ -44,18 +44,25 @@ def reduce_overrides(recipe: str, gpus: int, overrides: Sequence[str] = (), judg
     """Overrides that shrink the recipe's job to ``gpus`` trainer GPUs and one short step.
 
     Kept from the recipe: TP, CP, PP, expert TP, the model, the engines' TP and flags.
-    Reduced: EP to the largest divisor of the recipe's EP that fits the ranks; the batch to
+    Reduced: EP to the largest divisor of the recipe's EP whose layout the trainer accepts
+    on ``gpus`` ranks; the batch to
     one prompt x 2 rollouts of 64 tokens. A rubric with LLM-judged criteria and no judge
     endpoint is swapped for the rule-based one (the judge server is not part of this check).
     """
     cfg = load_config(recipe, list(overrides))
     p = cfg.parallel
-    dense = p.tp * p.cp * p.pp
-    if gpus % dense:
-        raise ConfigError(f"preflight: the recipe's tp {p.tp} x cp {p.cp} x pp {p.pp} = {dense} ranks "
-                          f"do not fit {gpus} trainer GPUs on one node (PREFLIGHT_TRAIN_GPUS)")
-    etp = p.expert_tp
-    ep = max(d for d in range(1, p.ep + 1) if p.ep % d == 0 and gpus % (etp * d * p.pp) == 0)
+    ep = None
+    for d in sorted((d for d in range(1, p.ep + 1) if p.ep % d == 0), reverse=True):
+        try:  # the trainer's own layout check (sizes, and the model's experts when known)
+            load_config(recipe, [*overrides, f"parallel.ep={d}"]).layout(gpus)
+        except ConfigError as exc:
+            last = exc
+            continue
+        ep = d
+        break
+    if ep is None:
+        raise ConfigError(f"preflight: no expert-parallel size dividing the recipe's ep={p.ep} fits "
+                          f"tp {p.tp} x cp {p.cp} x pp {p.pp} on {gpus} trainer GPUs ({last})")
     out = [f"parallel.ep={ep}", "steps=1", "checkpoint.interval=1", "logging.progress_bar=false",
            "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.buffer_size=1",
            "rollout.max_new_tokens=64", "rollout.max_turns=2", "rollout.max_staleness=0"]
