@@ -12,6 +12,8 @@
 #                           the recipe's TP/CP/PP, EP cut to fit, one prompt x 2 rollouts)
 #   engines started         SGLang up with the recipe's flags (the command line is in the row)
 #   engines answer, generate   /model_info and one generation with log-probs per engine
+#   seeded sampling repeats the same seed twice gives the same tokens (a FAIL only when the
+#                           recipe sets rollout.sampling_seed: deterministic inference is on)
 #   trainer run, TG step    the real trainer (python -m megatron_tg.train) runs one TG step
 #   weight sync             its weight-update group formed, one sync sent; the engines
 #                           report the new weight version
@@ -47,7 +49,7 @@ export HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-600}"
 cpus="${SLURM_CPUS_ON_NODE:-$NODE_GPUS}"
 export STEP_CPUS_PER_TASK="${STEP_CPUS_PER_TASK:-$((cpus / NODE_GPUS > 0 ? cpus / NODE_GPUS : 1))}"
 PF_CHECKS=("plan" "engines started" "engines answer /model_info" "generate with log-probs"
-           "trainer run (1 step)" "TG train step" "weight sync to engines" "checkpoint save"
+           "seeded sampling repeats" "trainer run (1 step)" "TG train step" "weight sync to engines" "checkpoint save"
            "trainer resume run" "checkpoint load (resume)" "routing replay")
 
 pf_row() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$PF_RESULTS"; }
@@ -127,7 +129,11 @@ pf_job() {
   tg_start_servers router
   tg_wait_healthy router || pf_stop "engines started" "the router did not come up"
 
-  "$PYTHON" -m megatron_tg.launch.preflight probe --results "$PF_RESULTS" -- "${TG_ENGINE_URLS[@]}"
+  local seeded=()
+  # seeded: the plan turned deterministic inference on (SGLang), or an override sets a seed
+  if printf '%s\n' "${TG_ENGINE_ARGS[@]}" "${TG_TRAIN_ARGS[@]}" \
+     | grep -qE '^(--enable-deterministic-inference|rollout\.sampling_seed=[0-9-])'; then seeded=(--seeded); fi
+  "$PYTHON" -m megatron_tg.launch.preflight probe --results "$PF_RESULTS" "${seeded[@]}" -- "${TG_ENGINE_URLS[@]}"
   if grep -q $'\tFAIL\t' "$PF_RESULTS"; then pf_finish "after the engine checks failed"; fi
 
   export MASTER_ADDR="$TG_MASTER_ADDR" MASTER_PORT="$TG_MASTER_PORT" TG_SYNC_MASTER TG_ROUTER_URL

@@ -1,7 +1,7 @@
 """The checks of ``slurm/preflight.sh``: first contact with a cluster, on one node, in minutes.
 
     python -m megatron_tg.launch.preflight reduce --recipe R --gpus G [k=v ...]   overrides, one per line
-    python -m megatron_tg.launch.preflight probe --results F URL ...              engines answer and generate
+    python -m megatron_tg.launch.preflight probe --results F [--seeded] URL ...   engines answer and generate
     python -m megatron_tg.launch.preflight train --results F --run-dir D --ckpt-dir C --steps N URL ...
     python -m megatron_tg.launch.preflight resume --results F --run-dir D --log L --steps N
     python -m megatron_tg.launch.preflight routing --results F --recipe R [k=v ...]
@@ -75,7 +75,7 @@ def reduce_overrides(recipe: str, gpus: int, overrides: Sequence[str] = (), judg
 
 # ---------------------------------------------------------------------- engines
 
-async def _probe(urls: Sequence[str]) -> list[tuple[str, str, str]]:
+async def _probe(urls: Sequence[str], seeded: bool = False) -> list[tuple[str, str, str]]:
     from megatron_tg.rollout.client import SGLangClient, SGLangClientError
 
     rows = []
@@ -99,6 +99,23 @@ async def _probe(urls: Sequence[str]) -> list[tuple[str, str, str]]:
                          f"{sorted({r.server for r in res})}"))
         except SGLangClientError as exc:
             rows.append(("generate with log-probs", "FAIL", str(exc)[:400]))
+            return rows
+        # The same seed twice on each engine: SGLang repeats only in deterministic inference.
+        name, differ = "seeded sampling repeats", []
+        for url in urls:
+            async with SGLangClient([url], max_retries=1, timeout_s=300) as one:
+                a, b = [await one.generate(PROBE_PROMPT, {"temperature": 1.0, "max_new_tokens": 16,
+                                                          "sampling_seed": 1234}) for _ in range(2)]
+            if a.output_ids != b.output_ids:
+                differ.append(url)
+        if not differ:
+            rows.append((name, "PASS", f"{len(urls)} engine(s) gave the same 16 tokens for seed 1234 twice"))
+        elif seeded:
+            rows.append((name, "FAIL", f"different tokens for the same seed on {differ}: started without "
+                         "--enable-deterministic-inference, or not deterministic at this layout"))
+        else:
+            rows.append((name, "SKIP", f"differs on {differ}; expected: the recipe sets no rollout.sampling_seed, "
+                         "so the engines run without deterministic inference"))
     return rows
 
 
@@ -194,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             s.add_argument("--log", type=Path, required=True)
         if name == "routing":
             s.add_argument("--recipe", required=True)
+        if name == "probe":
+            s.add_argument("--seeded", action="store_true", help="the recipe sets rollout.sampling_seed")
     for p in sub.choices.values():
         p.add_argument("rest", nargs="*", help="key=value overrides (reduce, routing) or engine URLs")
     args = ap.parse_args(argv)
@@ -206,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(text)
             return code
         if args.cmd == "probe":
-            rows = asyncio.run(_probe(args.rest))
+            rows = asyncio.run(_probe(args.rest, args.seeded))
         elif args.cmd == "train":
             rows = check_train(args.run_dir, args.ckpt_dir, args.steps, args.rest)
         elif args.cmd == "resume":
