@@ -595,8 +595,14 @@ class SGLangClient:
         return await self.broadcast("POST", "/flush_cache", **kw)
 
     async def pause_generation(self, mode: str = "abort", **kw) -> dict[str, Any]:
+        targets = list(kw.pop("servers", None) or self.admin_urls)
         self.paused = True  # before sending: a probe racing the pause must not see "dead"
-        return await self.broadcast("POST", "/pause_generation", {"mode": mode}, **kw)
+        try:
+            return await self.broadcast("POST", "/pause_generation", {"mode": mode}, servers=targets, **kw)
+        except SGLangClientError as exc:
+            if len(exc.errors) == len(targets):
+                self.paused = False  # nobody paused
+            raise
 
     async def continue_generation(self, **kw) -> dict[str, Any]:
         ok = await self.broadcast("POST", "/continue_generation", {}, **kw)

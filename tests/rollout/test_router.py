@@ -169,6 +169,9 @@ def test_abort_answered_404_is_an_error(cluster, http_call):
             with pytest.raises(SGLangClientError) as ei:
                 await c.abort("deaf")
             still = sum(num_running(http_call, w) for w in workers)
+            with pytest.raises(SGLangClientError, match="HTTP 404.*sglang-router"):
+                await c.pause_generation(mode="retract")  # admin calls must go to the workers
+            assert not c.paused  # nothing was paused
             for w in workers:  # clean up by hand, on the workers
                 http_call(w.url, "/abort_request", {"rid": "deaf@0"})
             result = await asyncio.wait_for(task, 30)
