@@ -21,7 +21,9 @@
 #                           run resumes from it and trains step 2
 #   routing replay          on, when this version's config has the switch
 # Model: the recipe's (model.hf_checkpoint); for a fast check pass a truncated checkpoint
-# with model.hf_checkpoint=DIR model.hf_config=DIR.
+# with model.hf_checkpoint=DIR model.hf_config=DIR. A recipe whose TP x PP or engine TP
+# needs more than half a node (235B, 480B) fails the plan line naming the sizes; give it a
+# layout that fits as overrides (e.g. parallel.pp=1 rollout.engine_tp=4).
 # Knobs: NODE_GPUS, PREFLIGHT_TIMEOUT (s, 840: the table is printed before the 15 min
 # limit), STEP_CPUS_PER_TASK (default: the node's CPUs / NODE_GPUS), and those of slurm/lib.sh (ENGINE, ENGINE_ARGS, TRAINER_CMD, PYTHON, JUDGE_URL, ...).
 # On CPU the same script runs on the local test cluster with embedded engines
