@@ -51,10 +51,15 @@ def reduce_overrides(recipe: str, gpus: int, overrides: Sequence[str] = (), judg
     """
     cfg = load_config(recipe, list(overrides))
     p = cfg.parallel
-    ep = None
+    dense = p.tp * p.cp * p.pp
+    if gpus % dense:
+        raise ConfigError(f"preflight: the recipe's tp {p.tp} x cp {p.cp} x pp {p.pp} = {dense} ranks do not "
+                          f"fit {gpus} trainer GPUs (half the node); override the layout to fit, e.g. parallel.pp=1")
+    one_node = [*overrides, "parallel.nodes=1", f"parallel.gpus_per_node={gpus}"]
+    ep, last = None, None
     for d in sorted((d for d in range(1, p.ep + 1) if p.ep % d == 0), reverse=True):
         try:  # the trainer's own layout check (sizes, and the model's experts when known)
-            load_config(recipe, [*overrides, f"parallel.ep={d}"]).layout(gpus)
+            load_config(recipe, [*one_node, f"parallel.ep={d}"]).layout(gpus)
         except ConfigError as exc:
             last = exc
             continue

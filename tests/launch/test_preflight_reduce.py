@@ -31,8 +31,10 @@ def test_30b_reduces_to_half_a_node_keeping_tp_and_the_engines():
 
 
 def test_layouts_that_cannot_fit_are_named():
-    with pytest.raises(ConfigError, match="tp 4 x cp 1 x pp 2"):
+    with pytest.raises(ConfigError, match="tp 4 x cp 1 x pp 2 = 8 ranks do not fit 4 trainer GPUs"):
         PF.reduce_overrides(R235, 4)  # TP4 x PP2 needs 8 trainer GPUs
+    out = PF.reduce_overrides(R235, 4, ["parallel.pp=1"])  # the fix the message suggests
+    assert "parallel.ep=4" in out
 
 
 def test_routing_replay_row_and_table(tmp_path):
