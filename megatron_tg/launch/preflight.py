@@ -113,8 +113,22 @@ async def _probe(urls: Sequence[str], seeded: bool = False) -> list[tuple[str, s
                                                           "sampling_seed": 1234}) for _ in range(2)]
             if a.output_ids != b.output_ids:
                 differ.append(url)
-        if not differ:
-            rows.append((name, "PASS", f"{len(urls)} engine(s) gave the same 16 tokens for seed 1234 twice"))
+        # SGLang's /server_info carries its resolved server args, enable_deterministic_inference
+        # among them (tests/sglang/test_server_args.py); the embedded engine does not report it.
+        flags = {}
+        for url in urls:
+            try:
+                flags[url] = (await client._call(url, "GET", "/server_info")).get("enable_deterministic_inference")
+            except (SGLangClientError, AttributeError):
+                flags[url] = None
+        off = [u for u, f in flags.items() if f is False]
+        if seeded and off:
+            rows.append((name, "FAIL", f"the recipe is seeded but {off} run without --enable-deterministic-inference "
+                         "(their /server_info says so)"))
+        elif not differ:
+            reported = {str(f) for f in flags.values()}
+            rows.append((name, "PASS", f"{len(urls)} engine(s) gave the same 16 tokens for seed 1234 twice; "
+                         f"enable_deterministic_inference reported: {', '.join(sorted(reported))}"))
         elif seeded:
             rows.append((name, "FAIL", f"different tokens for the same seed on {differ}: started without "
                          "--enable-deterministic-inference, or not deterministic at this layout"))
