@@ -95,6 +95,15 @@ def cluster(model_plain, tmp_path_factory, http_call):
         for w in workers:
             w.wait_up(http_call)
         router.start().wait_up(http_call, "/readiness")
+        # The router registers its workers one by one (a workflow per worker), and is ready
+        # with the first: wait for both, healthy.
+        deadline = time.monotonic() + 120
+        while True:
+            listed = http_call(router.url, "/workers")[1].get("workers", [])
+            if len(listed) == 2 and all(w["is_healthy"] for w in listed):
+                break
+            assert time.monotonic() < deadline, f"router lists {listed}:\n{router.log.read_text()[-3000:]}"
+            time.sleep(0.2)
         yield router, workers
     finally:
         router.stop()
