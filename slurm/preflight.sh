@@ -12,6 +12,8 @@
 #                           the recipe's TP/CP/PP, EP cut to fit, one prompt x 2 rollouts)
 #   engines started         SGLang up with the recipe's flags (the command line is in the row)
 #   engines answer, generate   /model_info and one generation with log-probs per engine
+#   seeded sampling repeats the same seed twice gives the same tokens (a FAIL only when the
+#                           recipe sets rollout.sampling_seed: deterministic inference is on)
 #   trainer run, TG step    the real trainer (python -m megatron_tg.train) runs one TG step
 #   weight sync             its weight-update group formed, one sync sent; the engines
 #                           report the new weight version
@@ -19,7 +21,9 @@
 #                           run resumes from it and trains step 2
 #   routing replay          on, when this version's config has the switch
 # Model: the recipe's (model.hf_checkpoint); for a fast check pass a truncated checkpoint
-# with model.hf_checkpoint=DIR model.hf_config=DIR.
+# with model.hf_checkpoint=DIR model.hf_config=DIR. A recipe whose TP x PP or engine TP
+# needs more than half a node (235B, 480B) fails the plan line naming the sizes; give it a
+# layout that fits as overrides (e.g. parallel.pp=1 rollout.engine_tp=4).
 # Knobs: NODE_GPUS, PREFLIGHT_TIMEOUT (s, 840: the table is printed before the 15 min
 # limit), STEP_CPUS_PER_TASK (default: the node's CPUs / NODE_GPUS), and those of slurm/lib.sh (ENGINE, ENGINE_ARGS, TRAINER_CMD, PYTHON, JUDGE_URL, ...).
 # On CPU the same script runs on the local test cluster with embedded engines
@@ -47,7 +51,7 @@ export HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-600}"
 cpus="${SLURM_CPUS_ON_NODE:-$NODE_GPUS}"
 export STEP_CPUS_PER_TASK="${STEP_CPUS_PER_TASK:-$((cpus / NODE_GPUS > 0 ? cpus / NODE_GPUS : 1))}"
 PF_CHECKS=("plan" "engines started" "engines answer /model_info" "generate with log-probs"
-           "trainer run (1 step)" "TG train step" "weight sync to engines" "checkpoint save"
+           "seeded sampling repeats" "trainer run (1 step)" "TG train step" "weight sync to engines" "checkpoint save"
            "trainer resume run" "checkpoint load (resume)" "routing replay")
 
 pf_row() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$PF_RESULTS"; }
@@ -127,8 +131,16 @@ pf_job() {
   tg_start_servers router
   tg_wait_healthy router || pf_stop "engines started" "the router did not come up"
 
-  "$PYTHON" -m megatron_tg.launch.preflight probe --results "$PF_RESULTS" -- "${TG_ENGINE_URLS[@]}"
-  if grep -q $'\tFAIL\t' "$PF_RESULTS"; then pf_finish "after the engine checks failed"; fi
+  local seeded=()
+  # seeded: the plan turned deterministic inference on (SGLang), or an override sets a seed
+  if printf '%s\n' "${TG_ENGINE_ARGS[@]}" "${TG_TRAIN_ARGS[@]}" \
+     | grep -qE '^(--enable-deterministic-inference|rollout\.sampling_seed=[0-9-])'; then seeded=(--seeded); fi
+  "$PYTHON" -m megatron_tg.launch.preflight probe --results "$PF_RESULTS" "${seeded[@]}" -- "${TG_ENGINE_URLS[@]}"
+  # Without answering engines the trainer cannot run; a seeded-sampling failure is reported
+  # but does not stop the training checks.
+  if grep -qE $'^(engines answer /model_info|generate with log-probs)\tFAIL' "$PF_RESULTS"; then
+    pf_finish "after the engine checks failed"
+  fi
 
   export MASTER_ADDR="$TG_MASTER_ADDR" MASTER_PORT="$TG_MASTER_PORT" TG_SYNC_MASTER TG_ROUTER_URL
   TG_TRAIN_STEP="$(tg_step_index train)"

@@ -1,7 +1,7 @@
 """The checks of ``slurm/preflight.sh``: first contact with a cluster, on one node, in minutes.
 
     python -m megatron_tg.launch.preflight reduce --recipe R --gpus G [k=v ...]   overrides, one per line
-    python -m megatron_tg.launch.preflight probe --results F URL ...              engines answer and generate
+    python -m megatron_tg.launch.preflight probe --results F [--seeded] URL ...   engines answer and generate
     python -m megatron_tg.launch.preflight train --results F --run-dir D --ckpt-dir C --steps N URL ...
     python -m megatron_tg.launch.preflight resume --results F --run-dir D --log L --steps N
     python -m megatron_tg.launch.preflight routing --results F --recipe R [k=v ...]
@@ -44,7 +44,8 @@ def reduce_overrides(recipe: str, gpus: int, overrides: Sequence[str] = (), judg
     """Overrides that shrink the recipe's job to ``gpus`` trainer GPUs and one short step.
 
     Kept from the recipe: TP, CP, PP, expert TP, the model, the engines' TP and flags.
-    Reduced: EP to the largest divisor of the recipe's EP that fits the ranks; the batch to
+    Reduced: EP to the largest divisor of the recipe's EP whose layout the trainer accepts
+    on ``gpus`` ranks; the batch to
     one prompt x 2 rollouts of 64 tokens. A rubric with LLM-judged criteria and no judge
     endpoint is swapped for the rule-based one (the judge server is not part of this check).
     """
@@ -52,10 +53,21 @@ def reduce_overrides(recipe: str, gpus: int, overrides: Sequence[str] = (), judg
     p = cfg.parallel
     dense = p.tp * p.cp * p.pp
     if gpus % dense:
-        raise ConfigError(f"preflight: the recipe's tp {p.tp} x cp {p.cp} x pp {p.pp} = {dense} ranks "
-                          f"do not fit {gpus} trainer GPUs on one node (PREFLIGHT_TRAIN_GPUS)")
-    etp = p.expert_tp
-    ep = max(d for d in range(1, p.ep + 1) if p.ep % d == 0 and gpus % (etp * d * p.pp) == 0)
+        raise ConfigError(f"preflight: the recipe's tp {p.tp} x cp {p.cp} x pp {p.pp} = {dense} ranks do not "
+                          f"fit {gpus} trainer GPUs (half the node); override the layout to fit, e.g. parallel.pp=1")
+    one_node = [*overrides, "parallel.nodes=1", f"parallel.gpus_per_node={gpus}"]
+    ep, last = None, None
+    for d in sorted((d for d in range(1, p.ep + 1) if p.ep % d == 0), reverse=True):
+        try:  # the trainer's own layout check (sizes, and the model's experts when known)
+            load_config(recipe, [*one_node, f"parallel.ep={d}"]).layout(gpus)
+        except ConfigError as exc:
+            last = exc
+            continue
+        ep = d
+        break
+    if ep is None:
+        raise ConfigError(f"preflight: no expert-parallel size dividing the recipe's ep={p.ep} fits "
+                          f"tp {p.tp} x cp {p.cp} x pp {p.pp} on {gpus} trainer GPUs ({last})")
     out = [f"parallel.ep={ep}", "steps=1", "checkpoint.interval=1", "logging.progress_bar=false",
            "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.buffer_size=1",
            "rollout.max_new_tokens=64", "rollout.max_turns=2", "rollout.max_staleness=0"]
@@ -68,7 +80,7 @@ def reduce_overrides(recipe: str, gpus: int, overrides: Sequence[str] = (), judg
 
 # ---------------------------------------------------------------------- engines
 
-async def _probe(urls: Sequence[str]) -> list[tuple[str, str, str]]:
+async def _probe(urls: Sequence[str], seeded: bool = False) -> list[tuple[str, str, str]]:
     from megatron_tg.rollout.client import SGLangClient, SGLangClientError
 
     rows = []
@@ -92,6 +104,37 @@ async def _probe(urls: Sequence[str]) -> list[tuple[str, str, str]]:
                          f"{sorted({r.server for r in res})}"))
         except SGLangClientError as exc:
             rows.append(("generate with log-probs", "FAIL", str(exc)[:400]))
+            return rows
+        # The same seed twice on each engine: SGLang repeats only in deterministic inference.
+        name, differ = "seeded sampling repeats", []
+        for url in urls:
+            async with SGLangClient([url], max_retries=1, timeout_s=300) as one:
+                a, b = [await one.generate(PROBE_PROMPT, {"temperature": 1.0, "max_new_tokens": 16,
+                                                          "sampling_seed": 1234}) for _ in range(2)]
+            if a.output_ids != b.output_ids:
+                differ.append(url)
+        # SGLang's /server_info carries its resolved server args, enable_deterministic_inference
+        # among them (tests/sglang/test_server_args.py); the embedded engine does not report it.
+        flags = {}
+        for url in urls:
+            try:
+                flags[url] = (await client._call(url, "GET", "/server_info")).get("enable_deterministic_inference")
+            except (SGLangClientError, AttributeError):
+                flags[url] = None
+        off = [u for u, f in flags.items() if f is False]
+        if seeded and off:
+            rows.append((name, "FAIL", f"the recipe is seeded but {off} run without --enable-deterministic-inference "
+                         "(their /server_info says so)"))
+        elif not differ:
+            reported = {str(f) for f in flags.values()}
+            rows.append((name, "PASS", f"{len(urls)} engine(s) gave the same 16 tokens for seed 1234 twice; "
+                         f"enable_deterministic_inference reported: {', '.join(sorted(reported))}"))
+        elif seeded:
+            rows.append((name, "FAIL", f"different tokens for the same seed on {differ}: started without "
+                         "--enable-deterministic-inference, or not deterministic at this layout"))
+        else:
+            rows.append((name, "SKIP", f"differs on {differ}; expected: the recipe sets no rollout.sampling_seed, "
+                         "so the engines run without deterministic inference"))
     return rows
 
 
@@ -187,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             s.add_argument("--log", type=Path, required=True)
         if name == "routing":
             s.add_argument("--recipe", required=True)
+        if name == "probe":
+            s.add_argument("--seeded", action="store_true", help="the recipe sets rollout.sampling_seed")
     for p in sub.choices.values():
         p.add_argument("rest", nargs="*", help="key=value overrides (reduce, routing) or engine URLs")
     args = ap.parse_args(argv)
@@ -199,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(text)
             return code
         if args.cmd == "probe":
-            rows = asyncio.run(_probe(args.rest))
+            rows = asyncio.run(_probe(args.rest, args.seeded))
         elif args.cmd == "train":
             rows = check_train(args.run_dir, args.ckpt_dir, args.steps, args.rest)
         elif args.cmd == "resume":

@@ -33,8 +33,8 @@ from a router, say) is an error, never a silent success: :meth:`abort` raises, a
 aborts the client sends on its own (hedge losers, timed-out attempts) are logged and
 counted in ``stats.abort_failures``.
 
-Health. SGLang >= 0.5.21 answers ``/health`` by generating one token, so while paused it
-waits about 20 s and answers 503. While this client has the servers paused it checks
+Health. SGLang 0.5.23 answers ``/health`` by generating one token, so while paused it
+waits 20 s (``SGLANG_HEALTH_CHECK_TIMEOUT``) and answers 503. While this client has the servers paused it checks
 liveness with ``/model_info`` instead (no generation), so a paused engine is never taken
 for a dead one.
 
@@ -50,7 +50,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import aiohttp
 
@@ -540,7 +540,8 @@ class SGLangClient(WeightUpdateCalls):
         """
         return await self._each(f"{method} {path}", lambda u: self._call(u, method, path, body), servers, strict)
 
-    async def _each(self, what: str, call, servers: Iterable[str] | None, strict: bool) -> dict[str, Any]:
+    async def _each(self, what: str, call: Callable[[str], Awaitable[Any]], servers: Iterable[str] | None,
+                    strict: bool) -> dict[str, Any]:
         urls = list(servers) if servers is not None else list(self.admin_urls)
         replies = await asyncio.gather(*(call(u) for u in urls), return_exceptions=True)
         ok, errors = {}, []
@@ -590,8 +591,14 @@ class SGLangClient(WeightUpdateCalls):
         return await self.broadcast("POST", "/flush_cache", **kw)
 
     async def pause_generation(self, mode: str = "abort", **kw) -> dict[str, Any]:
+        targets = list(kw.pop("servers", None) or self.admin_urls)
         self.paused = True  # before sending: a probe racing the pause must not see "dead"
-        return await self.broadcast("POST", "/pause_generation", {"mode": mode}, **kw)
+        try:
+            return await self.broadcast("POST", "/pause_generation", {"mode": mode}, servers=targets, **kw)
+        except SGLangClientError as exc:
+            if len(exc.errors) == len(targets):
+                self.paused = False  # nobody paused
+            raise
 
     async def continue_generation(self, **kw) -> dict[str, Any]:
         ok = await self.broadcast("POST", "/continue_generation", {}, **kw)

@@ -95,6 +95,15 @@ def cluster(model_plain, tmp_path_factory, http_call):
         for w in workers:
             w.wait_up(http_call)
         router.start().wait_up(http_call, "/readiness")
+        # The router registers its workers one by one (a workflow per worker), and is ready
+        # with the first: wait for both, healthy.
+        deadline = time.monotonic() + 120
+        while True:
+            listed = http_call(router.url, "/workers")[1].get("workers", [])
+            if len(listed) == 2 and all(w["is_healthy"] for w in listed):
+                break
+            assert time.monotonic() < deadline, f"router lists {listed}:\n{router.log.read_text()[-3000:]}"
+            time.sleep(0.2)
         yield router, workers
     finally:
         router.stop()
@@ -169,6 +178,9 @@ def test_abort_answered_404_is_an_error(cluster, http_call):
             with pytest.raises(SGLangClientError) as ei:
                 await c.abort("deaf")
             still = sum(num_running(http_call, w) for w in workers)
+            with pytest.raises(SGLangClientError, match="HTTP 404.*sglang-router"):
+                await c.pause_generation(mode="retract")  # admin calls must go to the workers
+            assert not c.paused  # nothing was paused
             for w in workers:  # clean up by hand, on the workers
                 http_call(w.url, "/abort_request", {"rid": "deaf@0"})
             result = await asyncio.wait_for(task, 30)

@@ -25,6 +25,8 @@ import ast
 import asyncio
 import importlib.util
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -127,6 +129,30 @@ def test_every_reply_decodes_as_sglangs_generate_response(engine):
                 assert all(e.logprob <= 0.0 for e in meta.output_token_logprobs)
             if body.get("top_logprobs_num"):
                 assert len(meta.input_token_logprobs) == len(PROMPT) and len(meta.output_top_logprobs[0]) == 2
+
+
+def test_stop_and_abort_replies_decode_as_sglangs(engine):
+    greedy = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+    first = http(engine.url, "/generate", greedy)[1]["output_ids"]
+    stop = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 6,
+                                                     "stop_token_ids": [first[2]]}}
+    sglang_accepts(stop)
+    meta = GenerateResponse.from_json_value(http(engine.url, "/generate", stop)[1]).meta_info
+    assert isinstance(meta.finish_reason, api_types.FinishStop) and meta.finish_reason.matched == first[2]
+
+    long = {"input_ids": PROMPT, "rid": "cut", "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True}}
+    sglang_accepts(long)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(http, engine.url, "/generate", long)
+        deadline = time.monotonic() + 30
+        while http(engine.url, "/server_info")[1]["internal_states"][0]["num_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert http(engine.url, "/abort_request", {"rid": "cut"})[0] == 200
+        status, reply = pending.result(timeout=60)
+    resp = GenerateResponse.from_json_value(reply)
+    assert status == 200 and isinstance(resp.meta_info.finish_reason, api_types.FinishAbort)
+    assert resp.meta_info.finish_reason.status_code is None and 0 < len(resp.output_ids) < 5000
 
 
 def test_sampling_keys_are_sglangs_and_unknown_keys_are_refused_by_both(engine):

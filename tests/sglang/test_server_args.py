@@ -62,3 +62,16 @@ def test_an_unknown_flag_is_refused_by_sglang():
     # The check above can fail: SGLang's parser exits on a flag it does not know.
     with pytest.raises(AssertionError, match="--enable-determinism"):
         parse(["--model-path", "m", "--enable-determinism"])
+
+
+def test_server_info_reports_deterministic_inference(tmp_path):
+    """SGLang's /server_info is its resolved server args (``build_server_info`` starts from
+    ``resolved_dict()``); slurm/preflight.sh reads ``enable_deterministic_inference`` there.
+    Resolution needs the model's config, so the model path is SGLang's ``dummy``."""
+    plan = make_plan(str(ROOT / "recipes" / "tg_30b.yaml"), ["rollout.sampling_seed=5"], KNOBS)
+    argv = task_argv(plan, tmp_path, step=0)
+    argv[argv.index("--model-path") + 1] = "dummy"
+    args = parse(argv)
+    args.resolve_once()
+    info = args.resolved_dict()
+    assert info["enable_deterministic_inference"] is True and info["tp_size"] == 2

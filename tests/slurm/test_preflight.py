@@ -12,7 +12,7 @@ import pytest
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 CHECKS = ["plan", "engines started", "engines answer /model_info", "generate with log-probs",
-          "trainer run (1 step)", "TG train step", "weight sync to engines", "checkpoint save",
+          "seeded sampling repeats", "trainer run (1 step)", "TG train step", "weight sync to engines", "checkpoint save",
           "trainer resume run", "checkpoint load (resume)", "routing replay"]
 CPU = {"RECIPE": "recipes/tiny_cpu.yaml", "ACCEL": "cpu", "ENGINE": "embedded", "NODE_GPUS": "2",
        "TRAINER_CMD": "", "ROUTER_CMD": "", "JUDGE_CMD": "", "OMP_NUM_THREADS": "1",
@@ -36,7 +36,7 @@ def submit(tiny_job, policy_dir, env):
     # tiny_cpu generates in-process; here, as on a cluster, from engine servers over HTTP
     return tiny_job("slurm/preflight.sh", "rollout.engine=sglang", "parallel.backend=gloo",
                     f"model.hf_config={policy_dir}", f"model.hf_checkpoint={policy_dir}",
-                    "rollout.max_new_tokens=24", env={**CPU, **env})
+                    "rollout.max_new_tokens=24", "rollout.sampling_seed=3", env={**CPU, **env})
 
 
 def test_preflight_passes_on_the_cpu_cluster(slurm_cluster, tiny_job, tmp_path, policy_dir):
