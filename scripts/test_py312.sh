@@ -45,7 +45,7 @@ if [ ! -f "$stamp" ]; then
   echo "+ pip install (sglang's light dependencies)"
   "${pip[@]}" install "torch==$TORCH_VERSION" orjson msgspec pybase64 requests packaging pillow starlette \
     pydantic pyzmq tqdm IPython aiohttp fastapi uvicorn psutil triton "transformers==5.19.0" \
-    apache-tvm-ffi sentencepiece compressed-tensors gguf openai partial-json-parser
+    apache-tvm-ffi sentencepiece compressed-tensors gguf openai partial-json-parser dill loguru
   "$venv/bin/python" -c 'import sglang.srt.managers.io_struct, sglang.srt.utils.common' 2>/dev/null
   touch "$stamp"
 fi
