@@ -11,23 +11,20 @@ restarted job resumes from the newest checkpoint.
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import socket
 import time
-from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_tg.config.schema import TGConfig
-from megatron_tg.parallel.ports import free_port
 from megatron_tg.train.manifest import write_manifest
 from megatron_tg.train.metrics import MetricsLogger
+from megatron_tg.train.protocols import MakeRolloutSource
 from megatron_tg.train.samples import SampleRecorder
 from megatron_tg.train.scatter import scatter_by_tokens
 from megatron_tg.train.trainer import Trainer
-from megatron_tg.train.weight_sync import SyncChecks, probe_engines, push_weights, verify_coverage
+from megatron_tg.train.weight_sync import SyncChecks, sync_to_engines
 
 EXIT_DONE, EXIT_REQUEUE = 0, 75  # 75 = EX_TEMPFAIL: "try again", the Slurm scripts' contract
 
@@ -50,51 +47,7 @@ class StopFlag:
         return self.requested
 
 
-def sync_weights(trainer: Trainer, side, checks: SyncChecks, *, restart: bool = False) -> dict[str, float]:
-    """Collective: the trainer's weights -> every engine, as policy version ``trainer.step``,
-    then the checks that prove the engines serve them (protocol: train/weight_sync.py).
-
-    ``restart``: engines just started on the base weights while the manager (restored from
-    the checkpoint) already counts ``trainer.step``; nothing is generating yet, so the push
-    goes straight to the engines without a version bump."""
-    r, checks.syncs = trainer.cfg.rollout, checks.syncs + 1
-    client, group = (None, None) if side is None else (side.client, _weight_group(side))
-
-    async def push():
-        return await push_weights(client, group, trainer.model, trainer.arch, trainer.ctx,
-                                  version=trainer.step, bucket_bytes=r.sync_bucket_mb << 20,
-                                  flush=r.pause_mode != "in_place")
-
-    async def push_and_verify():  # the manager pauses the engines around it, sets the version
-        stats = await push()
-        if checks.coverage_due():  # all ranks agree: the second push is collective too
-            await (verify_coverage(client, group, push) if client else push())
-        return stats
-
-    if side is None:
-        stats = asyncio.run(push_and_verify())
-    elif restart:
-        stats = side.call(push_and_verify())
-    else:
-        stats = side.call(side.manager.update_weights(push_and_verify, version=trainer.step))
-    metrics = stats.as_metrics()
-    if checks.probe_due():
-        metrics.update(probe_engines(trainer, None if side is None else side.call, client, checks))
-    return metrics
-
-
-def _weight_group(side):
-    if side.weight_group is None:
-        r = side.cfg.rollout
-        host = r.sync_master_address or ("127.0.0.1" if side.engines else socket.gethostname())
-        backend = r.sync_backend if r.sync_backend != "auto" else (
-            "nccl" if r.engine == "sglang" and torch.cuda.is_available() else "gloo")
-        side.weight_group = side.call(side.client.init_weights_update_group(
-            host, free_port(), group_name="tg-weights", backend=backend))
-    return side.weight_group
-
-
-def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
+def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
     """Train ``cfg.steps`` steps; returns the process exit code."""
     # First: a SIGUSR1/SIGTERM while the model loads or the engines sync must not kill the
     # process (their default action) but stop it after its first step, with a checkpoint.
@@ -107,7 +60,7 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
         side.load_state_dict(state["rollouts"])
     checks = SyncChecks.from_config(cfg.rollout)
     if trainer.step > 0:  # the engines serve the base weights: bring them to the checkpoint's
-        sync_weights(trainer, side, checks, restart=True)
+        sync_to_engines(trainer, side, checks, restart=True)
     if rank0:  # what produced this run, appended at every start (train/manifest.py)
         write_manifest(cfg.logging.run_dir, cfg, step=trainer.step, **side.identity())
     _say(rank0, f"resumed from checkpoint step {trainer.step} of {cfg.steps}" if trainer.step
@@ -125,7 +78,7 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
             t1 = time.perf_counter()
             metrics.update(trainer.train_step(samples))                          # GRPO + gated KL
             t2 = time.perf_counter()
-            metrics.update(sync_weights(trainer, side, checks))                   # -> engines
+            metrics.update(sync_to_engines(trainer, side, checks))                # -> engines
             if rank0:
                 metrics.update(side.probe_metrics(trainer.step))
             tokens = sum(len(s.rollout.token_ids) for s in samples) * trainer.ctx.dims.dp

@@ -2,7 +2,9 @@
 
 Generation never waits for training (PipelineRL-style): the manager keeps producing groups
 on the background loop while the trainer's main thread trains; the main thread only blocks
-in :meth:`RolloutSide.next_batch` (for judged groups) and in :meth:`RolloutSide.sync`.
+in :meth:`RolloutSide.next_batch` (for judged groups) and in :meth:`RolloutSide.run_sync`
+(the weight push, :func:`megatron_tg.train.weight_sync.sync_to_engines`). The loop sees only
+the :class:`~megatron_tg.train.protocols.RolloutSource` interface.
 
 Rewards and feedback (what the objective receives):
 - each rubric criterion is a 0/1 score; the scalar reward is Σ_c w_c · score_c with the
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import statistics
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
@@ -34,10 +37,13 @@ from megatron_tg.config.schema import TGConfig
 from megatron_tg.judge import Judge
 from megatron_tg.judge.rubric import Rubric
 from megatron_tg.objectives import combine_rewards, group_advantages, mode_switches
+from megatron_tg.parallel.ports import free_port
 from megatron_tg.rollout.client import SGLangClient
 from megatron_tg.rollout.manager import RolloutGroup, RolloutManager
 from megatron_tg.rollout.types import Rollout
 from megatron_tg.train.batching import TrainSample
+from megatron_tg.train.protocols import WeightTarget
+from megatron_tg.train.weight_sync import SyncStats
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +205,27 @@ class RolloutSide:
 
     def call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def weight_target(self) -> WeightTarget:
+        """The engines' client and the weight-update group, formed on first use: on the
+        trainer's host for embedded engines, else ``rollout.sync_master_address`` or this
+        host's name; NCCL for SGLang engines when the trainer has a GPU (``sync_backend``)."""
+        if self.weight_group is None:
+            r = self.cfg.rollout
+            host = r.sync_master_address or ("127.0.0.1" if self.engines else socket.gethostname())
+            backend = r.sync_backend if r.sync_backend != "auto" else (
+                "nccl" if r.engine == "sglang" and torch.cuda.is_available() else "gloo")
+            self.weight_group = self.call(self.client.init_weights_update_group(
+                host, free_port(), group_name="tg-weights", backend=backend))
+        return WeightTarget(self.client, self.weight_group)
+
+    def run_sync(self, push: Callable[[], Awaitable[SyncStats]], version: int, *,
+                 restart: bool = False) -> SyncStats:
+        """``push`` with generation paused (the manager's pause mode), then serve ``version``;
+        ``restart``: right after the engines started, so straight to the engines."""
+        if restart:
+            return self.call(push())
+        return self.call(self.manager.update_weights(push, version=version))
 
     def next_batch(self, version: int) -> tuple[list[TrainSample], dict[str, float]]:
         groups = self.call(self.manager.get_batch(version))

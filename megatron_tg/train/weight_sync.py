@@ -30,10 +30,11 @@ compared with the trainer's own, stopping with :class:`SyncCheckError` naming th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ from megatron_tg.models.qwen3_moe.mapping import current_layout, merge_tp_shards
 from megatron_tg.parallel.dims import Axis
 from megatron_tg.rollout.engine.weights import FlatBucket
 from megatron_tg.train.policy import unwrap
+
+if TYPE_CHECKING:
+    from megatron_tg.train.protocols import RolloutSource
 
 log = logging.getLogger(__name__)
 
@@ -302,3 +306,37 @@ def probe_engines(trainer, call, client, checks: SyncChecks) -> dict[str, float]
     if isinstance(box[0], str):
         raise SyncCheckError(box[0])
     return {"sync/probe_logprob_diff": float(box[0])}
+
+
+def sync_to_engines(trainer, side: "RolloutSource | None", checks: SyncChecks, *,
+                    restart: bool = False) -> dict[str, float]:
+    """Collective: the trainer's weights -> every engine, as policy version ``trainer.step``,
+    then the checks that prove the engines serve them.
+
+    ``side`` is global rank 0's rollout side (None on the other ranks, which take part in the
+    gathers only). ``restart``: the engines just started on the base weights while the
+    manager (restored from the checkpoint) already counts ``trainer.step``; nothing is
+    generating yet, so the push goes straight to the engines without a version bump."""
+    r, checks.syncs = trainer.cfg.rollout, checks.syncs + 1
+    target = side.weight_target() if side is not None else None
+    client, group = (target.client, target.group) if target is not None else (None, None)
+
+    async def push():
+        return await push_weights(client, group, trainer.model, trainer.arch, trainer.ctx,
+                                  version=trainer.step, bucket_bytes=r.sync_bucket_mb << 20,
+                                  flush=r.pause_mode != "in_place")
+
+    async def push_and_verify():
+        stats = await push()
+        if checks.coverage_due():  # all ranks agree: the second push is collective too
+            await (verify_coverage(client, group, push) if client else push())
+        return stats
+
+    if side is None:
+        stats = asyncio.run(push_and_verify())
+    else:  # the side pauses its engines around the push and sets their version
+        stats = side.run_sync(push_and_verify, trainer.step, restart=restart)
+    metrics = stats.as_metrics()
+    if checks.probe_due():
+        metrics.update(probe_engines(trainer, None if side is None else side.call, client, checks))
+    return metrics

@@ -155,3 +155,21 @@ def test_final_turn_feedback_only_when_the_agent_ended_the_rollout(finish):
     from megatron_tg.train.rollouts import feedback_for
 
     assert feedback_for(ro, res, rb, always=True) == ({0: "End with a summary."} if finish == "stop" else {})
+
+
+def test_rollout_side_implements_the_loops_interface():
+    """The loop only uses RolloutSource; the in-process side has each of its methods with
+    the same parameters (a rollout service must too)."""
+    import inspect
+
+    from megatron_tg.train.protocols import RolloutSource
+    from megatron_tg.train.rollouts import RolloutSide
+
+    wanted = {n: f for n, f in vars(RolloutSource).items()
+              if callable(f) and not n.startswith("_")}
+    assert {"next_batch", "weight_target", "run_sync", "call", "probe_metrics", "identity",
+            "state_dict", "load_state_dict", "close"} <= set(wanted)
+    for name, proto in wanted.items():
+        impl = getattr(RolloutSide, name)
+        assert list(inspect.signature(impl).parameters) == list(inspect.signature(proto).parameters), name
+    assert "last_judged" in RolloutSource.__annotations__

@@ -1,0 +1,74 @@
+"""The typed interface between the training loop and the rollout side.
+
+The loop (:mod:`megatron_tg.train.loop`) holds a :class:`RolloutSource` on global rank 0 and
+nothing else of the rollout machinery: engines, client, manager, judge and their event loop
+stay behind it. :class:`megatron_tg.train.rollouts.RolloutSide` is the in-process
+implementation; a rollout service running in other processes implements the same methods.
+
+Weight sync is split by who does what. The trainer's ranks stream the weights (collective,
+:mod:`megatron_tg.train.weight_sync`); the rollout side says where they go
+(:meth:`RolloutSource.weight_target`: the engines' client and the weight-update group) and
+runs the push while its engines are paused and their version is bumped
+(:meth:`RolloutSource.run_sync`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, Protocol, Sequence, TypeVar
+
+if TYPE_CHECKING:  # types only: the loop never imports the rollout machinery itself
+    from megatron_tg.judge.judge import JudgeResult
+    from megatron_tg.rollout.client import SGLangClient
+    from megatron_tg.rollout.types import Rollout
+    from megatron_tg.rollout.weight_client import TrainerWeightGroup
+    from megatron_tg.train.batching import TrainSample
+    from megatron_tg.train.trainer import Trainer
+    from megatron_tg.train.weight_sync import SyncStats
+
+T = TypeVar("T")
+
+
+@dataclass
+class WeightTarget:
+    """Where a weight push goes: the engines' admin client and the weight-update group."""
+
+    client: "SGLangClient"
+    group: "TrainerWeightGroup"
+
+
+class RolloutSource(Protocol):
+    """Rank 0's rollout side, as the training loop uses it."""
+
+    last_judged: "Sequence[tuple[Rollout, JudgeResult | None]]"
+    """Every rollout of the last batch with its judge result (for per-sample records)."""
+
+    def next_batch(self, version: int) -> "tuple[list[TrainSample], dict[str, float]]":
+        """Judged samples for policy ``version`` (blocks until a batch is ready) and metrics."""
+
+    def weight_target(self) -> WeightTarget:
+        """The engines' client and the weight-update group (formed on first use)."""
+
+    def run_sync(self, push: "Callable[[], Awaitable[SyncStats]]", version: int, *,
+                 restart: bool = False) -> "SyncStats":
+        """Run ``push`` while generation is paused, then serve ``version``. ``restart``: the
+        engines just started and nothing generates yet, so push without a version bump."""
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the rollout side's event loop (engine probes)."""
+
+    def probe_metrics(self, step: int) -> dict[str, float]:
+        """Measurements due after the sync of ``step`` (a failing probe is counted, not raised)."""
+
+    def identity(self) -> dict[str, Any]:
+        """The judge and the engines, for the run manifest."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+MakeRolloutSource = Callable[["Trainer"], RolloutSource]
+"""``make_rollout_side(trainer) -> RolloutSource``, called on global rank 0 only."""
