@@ -5,7 +5,8 @@
 The same trainer as ``megatron-tg train`` (model, parallel layout, optimizer, checkpoints);
 only the loss differs (see :mod:`megatron_tg.sft.train`). Launch one process per GPU
 (torchrun / srun); a plain ``python`` is a world of one. The result is a trainer checkpoint
-under ``checkpoint.dir``: RL starts from it with ``model.megatron_checkpoint=CKPT/step_N``.
+under ``checkpoint.dir`` (resumable) and the policy alone in ``RUN_DIR/model``: RL starts
+from it with ``model.megatron_checkpoint=RUN_DIR/model``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     if rank0:
-        print(f"[sft] done: loss {metrics.get('sft/loss', float('nan')):.4f}, checkpoints in "
-              f"{cfg.checkpoint.dir}", flush=True)
+        print(f"[sft] done: loss {metrics.get('sft/loss', float('nan')):.4f}, policy in "
+              f"{cfg.logging.run_dir}/model (model.megatron_checkpoint=...)", flush=True)
     return 0
 
 

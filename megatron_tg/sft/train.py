@@ -6,16 +6,21 @@ module replaces only the loss: token-mean cross-entropy on the assistant tokens,
 the fused vocab-parallel log-prob op on the hidden states of the loss rows (no logits are
 materialised and the vocabulary is never gathered). Transcripts are packed into rows of
 ``optimizer.micro_batch_tokens`` like RL micro-batches. Checkpoints are the trainer's
-(``checkpoint.dir``; a run resumes from the newest), so the SFT result is loaded by RL with
-``model.megatron_checkpoint=CKPT/step_NNNNNNNN`` (its ``dist/`` model shards), and converted
-for the engines with ``megatron-tg convert megatron-to-hf --megatron-dir CKPT/step_N/dist``.
+(``checkpoint.dir``; a run resumes from the newest). At the end the policy alone is exported
+as a megatron torch_dist checkpoint in the converter's layout, ``RUN_DIR/model/dist`` (a
+trainer checkpoint also holds optimizer state, which the RL trainer's initial-weight loader
+does not take): RL starts from it with ``model.megatron_checkpoint=RUN_DIR/model``, and the
+engines get it as HF weights with ``megatron-tg convert megatron-to-hf --megatron-dir
+RUN_DIR/model/dist --hf-config-dir BASE_HF_DIR --out-dir HF_DIR``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -73,6 +78,30 @@ def group_loss(trainer, group: Sequence[SFTExample], denom: float) -> tuple[torc
     return nll / denom, float(nll.detach())
 
 
+def export_model(trainer, out_dir) -> Path:
+    """Collective: the policy's weights alone, as a torch_dist checkpoint ``out_dir/dist``
+    (written beside, then renamed, so a crash never leaves a partial export)."""
+    import shutil
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_tg.train.policy import unwrap
+
+    out = Path(out_dir)
+    tmp = out.with_name(f".tmp-{out.name}")
+    if trainer.ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "dist").mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(unwrap(trainer.model).sharded_state_dict(), str(tmp / "dist"))
+    dist.barrier()
+    if trainer.ctx.rank == 0:
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    dist.barrier()
+    return out
+
+
 def run_sft(cfg, *, log_every: int = 1) -> dict[str, float]:
     """Collective over the trainer's ranks. Returns the last step's metrics."""
     from megatron.core.distributed import finalize_model_grads
@@ -126,6 +155,7 @@ def run_sft(cfg, *, log_every: int = 1) -> dict[str, float]:
                 log.log(trainer.step, metrics)
             if trainer.step % cfg.checkpoint.interval == 0 or trainer.step == len(steps):
                 trainer.save({"sft": {"data": s.data, "steps": len(steps)}})
+        export_model(trainer, Path(cfg.logging.run_dir) / "model")
     finally:
         log.close()
     if not math.isfinite(metrics.get("sft/loss", 0.0)):
