@@ -72,3 +72,28 @@ def test_bad_evaluation_config_names_the_field(override, msg):
 
     with pytest.raises(ConfigError, match=re.escape(msg)):
         load_config(str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"), [override])
+
+
+def test_held_out_rates_are_plotted_with_their_intervals(tmp_path):
+    import json
+
+    from megatron_tg.train.plot import bands, curves, plot_runs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "criteria/primary": 0.5} for s in range(1, 5)]
+    for s, k in ((0, 1), (4, 3)):  # held-out rows at step 0 and the last step
+        rows.append({"step": s, **rates([{"task": i < k} for i in range(4)], ["task"], ["task"])})
+    rows.sort(key=lambda r: r["step"])
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = curves([run], labels=["tg"])
+    assert data["held-out pass@1"]["tg"] == ([0, 4], [0.25, 0.75])
+    assert list(data["held-out criterion rates"]) == ["tg"]  # the _lo/_hi keys are no lines
+    xs, lo, hi = bands([run], labels=["tg"])["tg"]
+    assert xs == [0, 4] and (lo[1], hi[1]) == wilson_interval(3, 4)
+    assert plot_runs([run], tmp_path / "c.png").stat().st_size > 0
+    assert len(curves([run])) == 6
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "metrics.jsonl").write_text(json.dumps({"step": 1, "criteria/primary": 0.5}) + "\n")
+    assert len(curves([plain])) == 4  # no held-out rows: the four training panels only
