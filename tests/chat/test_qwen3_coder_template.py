@@ -181,5 +181,9 @@ def test_differences_from_the_tiny_template(qtok, tok):
     r = {"role": "assistant", "reasoning_content": "hmm", "content": "x"}
     assert "hmm" not in render(qtok, [{"role": "user", "content": "q"}, r])
     assert "<think>\nhmm\n</think>" in render(tok, [{"role": "user", "content": "q"}, r])
-    # without tools and system message neither template adds a system prompt
+    # without tools and system message neither template adds a system prompt; with tools the
+    # real one opens with its own default system prompt and the tool list
     assert render(qtok, [{"role": "user", "content": "q"}]).startswith("<|im_start|>user")
+    with_tools = render(qtok, [{"role": "user", "content": "q"}], tools=[SEARCH_TOOL])
+    assert with_tools.startswith("<|im_start|>system\nYou are Qwen, a helpful AI assistant")
+    assert "<function>\n<name>search</name>" in with_tools
