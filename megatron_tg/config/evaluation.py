@@ -11,7 +11,9 @@ from megatron_tg.config.base import ConfigError, check_range
 class EvaluationConfig:
     """At step 0, every ``every`` steps and after the last step, ``samples`` rollouts of each
     held-out task on the engines' current weights, judged by the run's rubric; never trained
-    on. Logged as ``eval/*``: pass@1 and every criterion's rate with confidence intervals."""
+    on. Logged as ``eval/*``: pass@1 and every criterion's rate with confidence intervals.
+    Rank 0 evaluates while the other trainer ranks wait in the next step's broadcast, so one
+    evaluation must finish within the process group's timeout (30 min, parallel/state.py)."""
 
     tasks: str = ""
     """JSONL of held-out tasks, in the format of ``rollout.tasks`` (the coding harness). Empty:
