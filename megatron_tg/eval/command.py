@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides)
     if args.checkpoint:
-        if not Path(args.checkpoint).is_dir():
-            print(f"megatron-tg eval: error: --checkpoint {args.checkpoint}: not a directory",
-                  file=sys.stderr)
+        if not (Path(args.checkpoint) / "latest").is_file():
+            print(f"megatron-tg eval: error: --checkpoint {args.checkpoint}: no trainer checkpoint "
+                  "there (no 'latest' marker; pass a run's checkpoint.dir)", file=sys.stderr)
             return 2
         overrides += [f"checkpoint.dir={args.checkpoint}", "checkpoint.resume=true"]
     cfg = load_config(args.recipe, overrides)

@@ -157,7 +157,10 @@ def test_eval_runs_the_held_out_evaluation_on_the_sft_checkpoint(sft_run):
         assert m[f"{key}_lo"] <= m[key] <= m[f"{key}_hi"]
 
 
-def test_eval_without_held_out_tasks_is_an_error(sft_run):
+def test_eval_without_held_out_tasks_or_checkpoint_is_an_error(sft_run, tmp_path):
     cmd = [sys.executable, "-m", "megatron_tg.cli", "eval", "--recipe", RECIPE, *sft_run.base]
     p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "evaluation.tasks: empty" in p.stderr
+    p = subprocess.run(cmd + ["--checkpoint", str(tmp_path)], cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and f"--checkpoint {tmp_path}: no trainer checkpoint" in p.stderr
