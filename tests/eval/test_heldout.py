@@ -97,3 +97,20 @@ def test_held_out_rates_are_plotted_with_their_intervals(tmp_path):
     plain.mkdir()
     (plain / "metrics.jsonl").write_text(json.dumps({"step": 1, "criteria/primary": 0.5}) + "\n")
     assert len(curves([plain])) == 4  # no held-out rows: the four training panels only
+
+
+def test_a_restart_from_scratch_logs_the_step_0_evaluation_once(tmp_path):
+    from megatron_tg.config.train import LoggingConfig
+    from megatron_tg.train.metrics import MetricsLogger, read_metrics
+
+    cfg = LoggingConfig(progress_bar=False)
+    log = MetricsLogger(cfg, tmp_path, enabled=True, total_steps=3)
+    for s in (0, 1, 2):
+        log.log(s, {"eval/n": 4.0} if s == 0 else {"loss": 1.0})
+    log.close()
+    MetricsLogger(cfg, tmp_path, enabled=True, total_steps=3, start_step=1).close()  # resumed at 1
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    log = MetricsLogger(cfg, tmp_path, enabled=True, total_steps=3, start_step=0)  # no checkpoint
+    log.log(0, {"eval/n": 4.0})
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0]
