@@ -164,3 +164,20 @@ def test_eval_without_held_out_tasks_or_checkpoint_is_an_error(sft_run, tmp_path
     p = subprocess.run(cmd + ["--checkpoint", str(tmp_path)], cwd=REPO, env=_env(),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and f"--checkpoint {tmp_path}: no trainer checkpoint" in p.stderr
+
+
+def test_two_data_parallel_ranks_train_the_same_losses(sft_run):
+    """DP=2 (each rank half of every batch, gradients averaged by megatron's DDP) must give the
+    single-rank run's losses: the loss is normalised by the whole step's token count."""
+    from megatron_tg.parallel.ports import free_port
+
+    run = sft_run.root / "dp2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", "megatron_tg.cli", "sft", "--recipe", RECIPE,
+           *sft_run.base, f"logging.run_dir={run}", f"sft.data={sft_run.data}", "sft.epochs=2",
+           "sft.batch_size=4", "optimizer.lr=3e-3", "checkpoint.interval=100"]
+    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sft/loss"] for r in rows] == pytest.approx(
+        [r["sft/loss"] for r in sft_run.rows[:2]], rel=1e-5)
