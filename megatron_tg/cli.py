@@ -33,6 +33,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                          "(--dry-run: also the parallel layout)"),
     "train": Subcommand("megatron_tg.train.cli",
                         "run the TG loop from a recipe (one process per GPU via torchrun/srun)"),
+    "sft": Subcommand("megatron_tg.sft.command",
+                      "supervised warm start on agent transcripts (JSONL; thinking and tool "
+                      "calls) through the trainer's model and checkpoints"),
+    "eval": Subcommand("megatron_tg.eval.command",
+                       "held-out evaluation of a checkpoint: pass@1 and every criterion's rate "
+                       "with confidence intervals (evaluation.*)"),
     "describe": Subcommand("megatron_tg.models.describe",
                            "parameter counts and per-rank shard sizes of an HF Qwen3(-MoE) "
                            "config, built on the meta device"),

@@ -16,6 +16,7 @@ from megatron_tg.chat.framing import (
     continuation_ids,
     encode,
     feedback_message_ids,
+    fold_reasoning,
     generation_prompt_ids,
     insert_feedback,
     message_ids,
@@ -36,7 +37,7 @@ __all__ = [
     "CHAT_TEMPLATE", "EXPERT_MODES", "FRAMINGS", "ExpertSequence", "FramingError", "ParsedTurn",
     "RolloutBuilder", "ToolCall", "ToolCallError", "assistant_generation_text",
     "assistant_token_spans", "build_expert_sequences", "build_tiny_tokenizer",
-    "continuation_ids", "default_corpus", "encode", "fake_logprobs", "feedback_message_ids",
+    "continuation_ids", "default_corpus", "encode", "fake_logprobs", "feedback_message_ids", "fold_reasoning",
     "generation_prompt_ids", "get_tiny_tokenizer", "insert_feedback", "message_ids", "normalize_messages",
     "parse_assistant", "prompt_ids", "render", "simulate_rollout", "stop_token_id",
 ]

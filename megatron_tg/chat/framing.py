@@ -122,8 +122,13 @@ def _info(tokenizer) -> dict[str, Any]:
     with_gen = render(tokenizer, [_DUMMY_USER], add_generation_prompt=True)
     if not with_gen.startswith(head) or len(with_gen) == len(head):
         raise FramingError("chat template's generation prompt is not a suffix of the prefix")
+    probe = "reasoning-probe-7f3a"
+    shown = render(tokenizer, [_DUMMY_USER, {**_DUMMY_ASSISTANT, "reasoning_content": probe}])
     info = {
         "template": template, "eos": eos, "eos_id": added[eos],
+        # Qwen3-Coder's own template (a non-thinking model) ignores reasoning_content; a
+        # thinking model made from it writes <think> as the start of its turn's content.
+        "renders_reasoning": probe in shown,
         "gen_prompt": encode(tokenizer, with_gen[len(head):]),
         "tags": {t: added[t] for t in (THINK_OPEN, THINK_CLOSE, CALL_OPEN, CALL_CLOSE)},
     }
@@ -181,10 +186,35 @@ def message_ids(tokenizer, message: Mapping[str, Any]) -> list[int]:
     return encode(tokenizer, _diff(head, render(tokenizer, [_DUMMY_USER, message]), "adding a message"))
 
 
+def fold_reasoning(tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as a *thinking* model's turns render under this tokenizer's template.
+
+    A template that renders ``reasoning_content`` (the tiny tokenizer's) gets the messages
+    unchanged. One that ignores it (Qwen3-Coder's: the stock model does not think) would drop
+    the thinking, so each assistant message's reasoning is moved to the start of its content
+    as ``<think>\n{reasoning}\n</think>\n\n{content}``, the text a model SFT'd to think
+    generates (and what :func:`parse_assistant` reads back as thinking)."""
+    msgs = normalize_messages(messages)
+    if _info(tokenizer)["renders_reasoning"]:
+        return msgs
+    out = []
+    for m in msgs:
+        r = m.get("reasoning_content")
+        if m["role"] == "assistant" and isinstance(r, str) and r.strip():
+            m = {k: v for k, v in m.items() if k != "reasoning_content"}
+            content = m.get("content") if isinstance(m.get("content"), str) else ""
+            m["content"] = f"{THINK_OPEN}\n{r.strip()}\n{THINK_CLOSE}\n\n{content.lstrip()}"
+        out.append(m)
+    return out
+
+
 def assistant_generation_text(tokenizer, message: Mapping[str, Any]) -> str:
     """The text a model would generate for ``message``: its rendering after the generation
-    prompt, up to and including the stop token. Used to simulate engine output in tests."""
+    prompt, up to and including the stop token (reasoning folded into the content where the
+    template drops it, :func:`fold_reasoning`). Used to simulate engine output in tests and
+    to render SFT transcripts."""
     info = _info(tokenizer)
+    (message,) = fold_reasoning(tokenizer, [message])
     head = render(tokenizer, [_DUMMY_USER], add_generation_prompt=True)
     body = _diff(head, render(tokenizer, [_DUMMY_USER, message]), "rendering an assistant turn")
     cut = body.rfind(info["eos"])

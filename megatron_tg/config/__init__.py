@@ -8,16 +8,18 @@ Every field carries a docstring (the string literal under it) with its meaning a
 """
 
 from megatron_tg.config.base import ConfigError
+from megatron_tg.config.evaluation import EvaluationConfig
 from megatron_tg.config.loader import load_config, save_resolved, to_yaml
 from megatron_tg.config.model import ModelConfig
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.config.parallel import ParallelConfig
 from megatron_tg.config.rollout import JudgeConfig, RolloutConfig
 from megatron_tg.config.schema import TGConfig
+from megatron_tg.config.sft import SFTConfig
 from megatron_tg.config.train import CheckpointConfig, LoggingConfig, OptimizerConfig
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "JudgeConfig", "LoggingConfig", "ModelConfig",
-    "ObjectiveConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig", "TGConfig",
+    "CheckpointConfig", "ConfigError", "EvaluationConfig", "JudgeConfig", "LoggingConfig", "ModelConfig",
+    "ObjectiveConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig", "SFTConfig", "TGConfig",
     "load_config", "save_resolved", "to_yaml",
 ]

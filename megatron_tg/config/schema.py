@@ -6,10 +6,12 @@ import re
 from dataclasses import dataclass, field
 
 from megatron_tg.config.base import ConfigError, check_range
+from megatron_tg.config.evaluation import EvaluationConfig
 from megatron_tg.config.model import ModelConfig
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.config.parallel import ParallelConfig
 from megatron_tg.config.rollout import JudgeConfig, RolloutConfig
+from megatron_tg.config.sft import SFTConfig
 from megatron_tg.config.train import CheckpointConfig, LoggingConfig, OptimizerConfig
 from megatron_tg.parallel.dims import ParallelDims
 
@@ -54,6 +56,12 @@ class TGConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics sinks."""
 
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    """Held-out evaluation (never trained on): step 0, every N steps, the last step."""
+
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """The supervised warm start (``megatron-tg sft``); unused by RL runs."""
+
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid field and its value."""
         if not _RUN_NAME.match(self.run_name):
@@ -62,7 +70,7 @@ class TGConfig:
         check_range("seed", self.seed, ge=0)
         check_range("steps", self.steps, ge=1)
         for group in (self.model, self.parallel, self.rollout, self.judge, self.optimizer,
-                      self.checkpoint, self.logging):
+                      self.checkpoint, self.logging, self.evaluation, self.sft):
             group.validate()
         try:
             self.objective.validate()

@@ -53,11 +53,15 @@ class Plan:
     """Final rates = mean over the last ``last`` steps."""
     compare: bool
     probe_every: int
+    heldout: int = 0
+    """Held-out episodes evaluated at step 0 and the last step of each method's run
+    (``evaluation.num_tasks``; 0: none)."""
     base_overrides: dict[str, Any] = field(default_factory=dict)
 
 
-FULL = Plan(steps=30, seeds=(0, 1, 2), last=10, compare=True, probe_every=10)
-QUICK = Plan(steps=25, seeds=(0,), last=5, compare=False, probe_every=0, base_overrides=dict(B.QUICK))
+FULL = Plan(steps=30, seeds=(0, 1, 2), last=10, compare=True, probe_every=10, heldout=128)
+QUICK = Plan(steps=25, seeds=(0,), last=5, compare=False, probe_every=0, heldout=32,
+             base_overrides=dict(B.QUICK))
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,14 @@ def _identity(spec: RunSpec, plan: Plan, inputs: dict[str, str]) -> dict[str, An
     """What makes a finished run reusable: its overrides, length, probe, base model build
     and recipe text. Anything else changed: the run is redone."""
     return {"overrides": spec.overrides(), "steps": plan.steps,
-            "probe_every": plan.probe_every if spec.mode == "tg" else 0, **inputs}
+            "probe_every": plan.probe_every if spec.mode == "tg" else 0,
+            "heldout": _heldout(spec, plan), **inputs}
+
+
+def _heldout(spec: RunSpec, plan: Plan) -> int:
+    """Held-out episodes of a run: the method rows of the table only (the KL-direction
+    variants report training-batch rates), to keep the demo within its time budget."""
+    return plan.heldout if spec.name in METHODS else 0
 
 
 def _finished(done: Path) -> dict[str, Any] | None:
@@ -151,7 +162,7 @@ def run_one(spec: RunSpec, out: Path, plan: Plan, py: str, recipe: Path,
             f"model.hf_config={base}", f"model.hf_checkpoint={base}",
             f"model.megatron_checkpoint={out / 'base_megatron'}",
             f"logging.run_dir={run_dir}", f"run_name=demo-{spec.name}", f"steps={plan.steps}",
-            *spec.overrides()]
+            f"evaluation.num_tasks={_heldout(spec, plan)}", *spec.overrides()]
     env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     t0 = time.perf_counter()
     with open(run_dir / "stdout.log", "w") as log:

@@ -11,7 +11,11 @@ Definitions (the same for every run, whatever its method):
 * steps to 0.8: the first step whose criterion rate reaches 0.8 (None: never);
 * collapsed: the pass rate fell below half its start (the mean of the first 3 steps) at
   some step — the prototype's failure mode (``lines= N`` loops, task success 0.015);
-  recovered: collapsed, yet the final pass rate is back to at least 0.9 x its start.
+  recovered: collapsed, yet the final pass rate is back to at least 0.9 x its start;
+* held-out (``evaluation.num_tasks`` episodes of the ``eval`` split, never trained on, at
+  step 0 and the last step): the same criterion rate (``eval/demo/new_format``) and pass rate
+  (``eval/criteria/answer``) on the current weights, with 95% Wilson intervals. Training-batch
+  rates are on prompts each trained on once, generated one step behind the weights.
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from megatron_tg.eval.heldout import wilson_interval
 from megatron_tg.train.metrics import read_metrics
 
 CRITERION = "demo/new_format"
 PASS = "criteria/answer"
+HELD_OUT_CRITERION = "eval/demo/new_format"
+HELD_OUT_PASS = "eval/criteria/answer"
 THRESHOLD = 0.8
 
 
@@ -49,7 +56,7 @@ def summarize_run(run_dir: str | Path, last: int) -> dict[str, Any]:
     start = statistics.fmean(passed[:3])
     hit = next((r["step"] for r in rows if r.get(CRITERION, 0.0) >= THRESHOLD), None)
     out = {"criterion_rate": c, "criterion_rate_std": cs, "pass_rate": p, "pass_rate_std": ps,
-           "steps": len(rows), "steps_to_0.8": hit,
+           "steps": sum(1 for r in rows if r["step"] >= 1), "steps_to_0.8": hit,
            "collapsed": bool(min(passed) < 0.5 * start),
            "recovered": bool(min(passed) < 0.5 * start and p >= 0.9 * start),
            "pass_rate_start": start,
@@ -63,8 +70,28 @@ def summarize_run(run_dir: str | Path, last: int) -> dict[str, Any]:
                 name == "entropy" else xs[-1]
             if name.startswith("expert_probe"):
                 out[f"min_{name}"] = min(xs)
+    out.update(held_out(rows))
     times = series(rows, "time/step")
     out["seconds_per_step"] = statistics.fmean(times) if times else math.nan
+    return out
+
+
+def held_out(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """First (step 0) and last held-out evaluation: rates and 95% intervals; {} if none."""
+    evals = [r for r in rows if isinstance(r.get("eval/n"), (int, float))]
+    if not evals:
+        return {}
+    out: dict[str, Any] = {"heldout_episodes": int(evals[-1]["eval/n"]),
+                           "heldout_steps": [r["step"] for r in evals]}
+    for when, r in (("start", evals[0]), ("final", evals[-1])):
+        n = int(r["eval/n"])
+        crit = r.get(HELD_OUT_CRITERION, math.nan)
+        out[f"heldout_criterion_rate_{when}"] = crit
+        # eval/demo/* are per-episode fractions: their interval from the episode count
+        out[f"heldout_criterion_ci_{when}"] = list(wilson_interval(round(crit * n), n)) \
+            if crit == crit else None
+        out[f"heldout_pass_rate_{when}"] = r.get(HELD_OUT_PASS, math.nan)
+        out[f"heldout_pass_ci_{when}"] = [r.get(HELD_OUT_PASS + "_lo"), r.get(HELD_OUT_PASS + "_hi")]
     return out
 
 
@@ -103,7 +130,23 @@ def methods_table(methods: Mapping[str, Mapping[str, Any]], last: int) -> str:
                      f"{_pm(m['pass_rate'], m['pass_rate_std']):>16} "
                      f"{m['base_criterion_rate']:>15.3f} {str(m['steps_to_0.8']):>13} "
                      f"{str(m['collapsed']):>10}")
+    held = {k: m for k, m in methods.items() if "heldout_episodes" in m}
+    if held:
+        n = next(iter(held.values()))["heldout_episodes"]
+        lines += ["", f"Held-out ({n} episodes never trained on; step 0 -> last step [95% interval "
+                      "at the last step])",
+                  f"{'method':<8} {'new format (criterion)':>30} {'task (pass)':>30}"]
+        for name, m in held.items():
+            lines.append(f"{name:<8} {_held(m, 'criterion'):>30} {_held(m, 'pass'):>30}")
     return "\n".join(lines)
+
+
+def _held(m: Mapping[str, Any], what: str) -> str:
+    rate = "criterion_rate" if what == "criterion" else "pass_rate"
+    ci = m.get(f"heldout_{what}_ci_final") or [None, None]
+    a, b = m.get(f"heldout_{rate}_start", math.nan), m.get(f"heldout_{rate}_final", math.nan)
+    band = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if None not in ci else ""
+    return f"{a:.3f} -> {b:.3f}{band}"
 
 
 def directions_table(variants: Mapping[str, Mapping[str, Any]]) -> str:

@@ -14,6 +14,9 @@ Per step, besides the trainer's metrics, ``demo/*`` are the episode verdicts ove
 rollout of the batch: ``demo/new_format`` (every search call used ``lines=``, at least one
 call: the criterion the table reports), ``demo/success`` (the task), ``demo/both``,
 ``demo/search_calls``.
+With ``evaluation.num_tasks=N`` the held-out evaluation (:mod:`megatron_tg.eval`) rolls out N
+tasks of the ``eval`` split at step 0, every ``evaluation.every`` steps and the last step:
+``eval/criteria/*`` (the judge's, with intervals) and ``eval/demo/*`` (the episode verdicts).
 With ``--probe-every N`` the expert is probed too: every N steps a few prompts are sampled
 WITH the hint before the tool-call turn on the current weights, i.e. the expert's own
 behaviour (``probe/new_format``, ``probe/success``), so a degrading expert is visible.
@@ -32,6 +35,11 @@ from megatron_tg.rollout.types import Rollout
 RL_TASKS = 4096
 """Prompts in the RL stream (split ``rl``; disjoint from SFT and evaluation tasks). A run of
 60 steps x 8 prompts uses 480 of them: single-epoch, like the paper."""
+
+
+HELD_OUT_START = 10_000
+"""First index of the held-out evaluation's tasks in the ``eval`` split (the expert probe uses
+the first ones): never trained on, the same tasks for every method of a seed."""
 
 
 def episode_rates(rollouts: Sequence[Rollout]) -> dict[str, float]:
@@ -94,6 +102,17 @@ def make_rollout_side(probe_every: int = 0, probe_n: int = 32):
         if probe_every > 0:
             side.probes.append((probe_every, ExpertProbe(side, trainer.tokenizer, cfg, probe_n,
                                                          cfg.seed)))
+        if cfg.evaluation.tasks:
+            from megatron_tg.config.base import ConfigError
+
+            raise ConfigError(f"evaluation.tasks: the demo's held-out tasks are its generator's "
+                              f"eval split; set evaluation.num_tasks instead (got {cfg.evaluation.tasks!r})")
+        if cfg.evaluation.num_tasks > 0:
+            from megatron_tg.eval.heldout import attach_evaluation
+
+            held_out = T.make_tasks(cfg.evaluation.num_tasks, seed=cfg.seed, start=HELD_OUT_START,
+                                    split="eval")
+            attach_evaluation(side, agent, held_out, cfg, rollout_metrics=episode_rates)
         return side
     return factory
 

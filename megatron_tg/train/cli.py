@@ -40,9 +40,15 @@ def default_rollout_side(trainer):
                                             overflow_retries=j.overflow_retries))
     tasks = load_tasks(cfg.rollout.tasks, repos_root=cfg.rollout.repos_root) if cfg.rollout.tasks else builtin_tasks()
     harness = AgentHarness(trainer.tokenizer, cfg.rollout)
-    return RolloutSide(cfg, trainer.tokenizer, harness, tasks, rubric,
+    side = RolloutSide(cfg, trainer.tokenizer, harness, tasks, rubric,
                        engine_model_dir=cfg.model.hf_checkpoint, log_dir=cfg.logging.run_dir,
                        version=0, llm=llm)  # engines start on the base weights: version 0
+    if cfg.evaluation.tasks:
+        from megatron_tg.eval.heldout import attach_evaluation, disjoint_tasks
+
+        held_out = disjoint_tasks(load_tasks(cfg.evaluation.tasks), tasks, cfg.evaluation.tasks)
+        attach_evaluation(side, harness, held_out, cfg)
+    return side
 
 
 def check_task_file(path: str | None) -> None:

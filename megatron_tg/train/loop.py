@@ -71,6 +71,8 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
                              start_step=trainer.step, tokenizer=trainer.tokenizer)
     code = EXIT_DONE
     try:
+        if rank0 and trainer.step == 0 and (baseline := side.probe_metrics(0)):
+            log.log(0, baseline)  # step-0 baselines: the held-out evaluation, probes
         while trainer.step < cfg.steps:
             t0 = time.perf_counter()
             batch = side.next_batch(trainer.step) if rank0 else (None, None)      # generate + judge

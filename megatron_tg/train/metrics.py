@@ -48,7 +48,10 @@ class MetricsLogger:
         keep = []
         for line in self.path.read_text().splitlines():
             try:
-                if json.loads(line).get("step", 0) <= step:
+                s = json.loads(line).get("step", 0)
+                # A restart from scratch redoes the step-0 baselines (held-out evaluation): drop
+                # the old ones too, so no step appears twice.
+                if s <= step and (step > 0 or s < 0):
                     keep.append(line)
             except ValueError:
                 continue  # a line cut by a kill mid-write

@@ -121,7 +121,18 @@ def test_quick_demo_end_to_end(quick_base, tmp_path):
     # the runs went through the real loop: converted checkpoint, engines, weight syncs
     assert (out / "base_megatron" / "metadata.json").exists()
     rows = [json.loads(x) for x in (out / "runs" / "tg" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 25 and all(r["sync/tensors"] > 0 for r in rows)
+    steps = [r for r in rows if r["step"] >= 1]
+    assert len(steps) == 25 and all(r["sync/tensors"] > 0 for r in steps)
+    # held-out evaluation: a step-0 row (the base policy) and the last step, never trained on
+    evals = [r for r in rows if "eval/n" in r]
+    assert [r["step"] for r in evals] == [0, 25] and rows[0]["step"] == 0
+    assert evals[0]["eval/n"] + evals[0]["eval/judge_errors"] + evals[0]["eval/rollout_errors"] == 32
+    assert evals[0]["eval/demo/new_format"] <= 0.1  # the base never uses the new format unhinted
+    for m in methods.values():
+        assert m["heldout_episodes"] <= 32 and m["heldout_steps"] == [0, 25]
+        lo, hi = m["heldout_pass_ci_final"]
+        assert lo <= m["heldout_pass_rate_final"] <= hi
+    assert "Held-out (" in res.stdout
 
 
 def test_finished_runs_are_reused_only_with_the_same_inputs(tmp_path):
