@@ -37,11 +37,13 @@ import argparse
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_tg.config import ConfigError, TGConfig, load_config
-from megatron_tg.models.qwen3_moe.config import Qwen3Arch, padded_vocab_size
 from megatron_tg.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:  # the model module imports torch: only where a plan is computed
+    from megatron_tg.models.qwen3_moe.config import Qwen3Arch
 
 GIB = 2 ** 30
 # nvidia-smi reports 81,559 MiB on an H100 SXM5 80GB; that is what a process can ask for.
@@ -78,6 +80,8 @@ class Shard:
 def rank_shards(arch: Qwen3Arch, dims: ParallelDims) -> list[Shard]:
     """Per pipeline stage: the parameters megatron-core gives one rank (analytic; equal to
     :func:`~megatron_tg.models.describe.built_shards`, which builds the model to count)."""
+    from megatron_tg.models.qwen3_moe.config import padded_vocab_size
+
     h, hd, tp = arch.hidden_size, arch.head_dim, dims.tp
     vpad = padded_vocab_size(arch.vocab_size, tp)
     # megatron replicates key/value heads when TP exceeds them (tp % groups == 0).
@@ -177,6 +181,8 @@ class RolePlan:
     capacity_gib: float = H100_MEMORY_GIB
     kv: dict[str, Any] = field(default_factory=dict)
     """Engines only: KV-cache tokens, what the in-flight rollouts need, fit or queue."""
+    fixes: dict[str, str] = field(default_factory=dict)
+    """Per term, the setting that shrinks it here, where it differs from :data:`FIXES`."""
     usable_fraction: float = USABLE_FRACTION
     """Share of the GPU the terms may take. Engines: 1.0, SGLang's reserve is one of the terms."""
 
@@ -205,6 +211,8 @@ def _in_flight(cfg: TGConfig, dims: ParallelDims, rollout_tokens: int) -> int:
 
 
 def train_plan(cfg: TGConfig, arch: Qwen3Arch, dims: ParallelDims) -> RolePlan:
+    from megatron_tg.models.qwen3_moe.config import padded_vocab_size
+
     shards = rank_shards(arch, dims)
     s = max(shards, key=lambda x: x.params)
     wb = BF16 if cfg.model.params_dtype == "bfloat16" else FP32
@@ -231,7 +239,11 @@ def train_plan(cfg: TGConfig, arch: Qwen3Arch, dims: ParallelDims) -> RolePlan:
              "weight_sync": sync, "runtime": RUNTIME_RESERVE_GIB * GIB}
     notes = [f"stage {s.pp_stage} of {dims.pp}: {s.dense_params:,} dense + {s.expert_params:,} "
              f"expert params per GPU; recompute={cfg.model.recompute}, micro-batch {mbt:,} tokens"]
-    return RolePlan("train", terms, notes)
+    fixes = {}
+    if cfg.parallel.use_distributed_optimizer:
+        fixes["optimizer"] = (f"more trainer nodes (parallel.nodes={cfg.parallel.nodes}: the optimizer "
+                              f"already shards over dp={dims.dp * dims.cp}, edp={dims.edp})")
+    return RolePlan("train", terms, notes, fixes=fixes)
 
 
 def sglang_default_mem_fraction(gpu_mib: float, tp: int) -> float:
@@ -310,7 +322,7 @@ class MemoryPlan:
                             f"than one rollout of rollout.max_context_tokens: set {FIXES['kv_cache']}")
                 return (f"memory: the {plan.role} GPU needs {plan.total / GIB:.1f} GiB, more than "
                         f"{plan.usable_fraction:.0%} of {plan.capacity_gib:.1f} GiB; largest term {big} = "
-                        f"{plan.terms[big] / GIB:.1f} GiB: set {FIXES[big]}")
+                        f"{plan.terms[big] / GIB:.1f} GiB: set {plan.fixes.get(big, FIXES[big])}")
         return None
 
 
@@ -318,6 +330,7 @@ def memory_plan(cfg: TGConfig, recipe: str = "", world_size: int | None = None,
                 mem_fraction: float | None = None) -> MemoryPlan:
     """The plan of ``cfg``; the HF config must be on this machine (model.hf_config)."""
     from megatron_tg.models.describe import param_counts
+    from megatron_tg.models.qwen3_moe.config import Qwen3Arch
 
     if cfg.model.read_hf_config() is None:
         raise ConfigError(f"model.hf_config: {str(cfg.model.hf_config_file())!r} not found; the memory "

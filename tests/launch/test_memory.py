@@ -13,16 +13,14 @@ taken from megatron's code rather than measured); expert copy = a second model's
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_tg.config import load_config
-from megatron_tg.launch.memory import (GIB, korthikanti_layer_bytes, memory_plan,
-                                       rank_shards, activation_bytes)
+from megatron_tg.launch.memory import (GIB, activation_bytes, korthikanti_layer_bytes,
+                                       memory_plan, rank_shards)
 from megatron_tg.models.qwen3_moe.config import Qwen3Arch
 from megatron_tg.parallel.dims import ParallelDims
 from megatron_tg.testing.distributed import run_distributed
@@ -168,13 +166,13 @@ def test_planner_refuses_a_plan_that_does_not_fit_naming_term_and_fix():
     assert any("bottleneck" in n for n in ok.notes)
 
 
-def test_command_prints_terms_and_json_last():
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron_tg.cli", "memory", "--recipe", str(ROOT / "recipes" / "tg_30b.yaml"),
-         f"model.hf_config={HF / RECIPES['tg_30b']}", "--rollout-tokens", "16384"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    last = json.loads(out.stdout.strip().splitlines()[-1])
+def test_command_prints_terms_and_json_last(capsys):
+    from megatron_tg.cli import main
+
+    rc = main(["memory", "--recipe", str(ROOT / "recipes" / "tg_30b.yaml"),
+               f"model.hf_config={HF / RECIPES['tg_30b']}", "--rollout-tokens", "16384"])
+    assert rc == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(last["train"]["terms_gib"]) >= {"weights", "gradients", "optimizer", "activations",
                                                "kl_chunks", "expert_copy", "weight_sync"}
     assert last["train"]["total_gib"] == pytest.approx(sum(last["train"]["terms_gib"].values()), abs=0.01)
@@ -182,8 +180,22 @@ def test_command_prints_terms_and_json_last():
     assert last["time"]["tokens_per_rollout"] == 16384 and last["time"]["bottleneck"] in ("train", "generate")
 
 
-def test_missing_hf_config_is_a_clear_error():
-    out = subprocess.run([sys.executable, "-m", "megatron_tg.cli", "memory", "--recipe",
-                          str(ROOT / "recipes" / "tg_30b.yaml"), "model.hf_config=nowhere/config.json"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 2 and "model.hf_config" in out.stderr and "nowhere" in out.stderr
+def test_a_plan_that_does_not_fit_exits_1_naming_the_term(capsys):
+    from megatron_tg.cli import main
+
+    rc = main(["memory", "--recipe", str(ROOT / "recipes" / "tg_30b.yaml"),
+               f"model.hf_config={HF / RECIPES['tg_30b']}", "objective.expert=ema"])
+    out = capsys.readouterr().out
+    refusal = out.strip().splitlines()[-2]
+    assert rc == 1 and "DOES NOT FIT" in out
+    assert "largest term optimizer" in refusal and "more trainer nodes" in refusal, refusal
+    assert json.loads(out.strip().splitlines()[-1])["train"]["fits"] is False
+
+
+def test_missing_hf_config_is_a_clear_error(capsys):
+    from megatron_tg.cli import main
+
+    rc = main(["memory", "--recipe", str(ROOT / "recipes" / "tg_30b.yaml"),
+               "model.hf_config=nowhere/config.json"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "model.hf_config" in err and "nowhere" in err
