@@ -360,8 +360,15 @@ def launch_check(cfg: TGConfig, world_size: int, accel: str) -> list[str]:
     refusal = plan.refusal()
     if refusal:
         raise DoesNotFit(refusal)
-    summary = ", ".join(f"{r.role} {r.total / GIB:.1f} GiB" for r in plan.roles.values())
-    notes = [f"memory per GPU: {summary} of {H100_MEMORY_GIB:.1f} (megatron-tg memory for the terms)"]
+    train = plan.roles["train"]
+    summary = f"train {train.total / GIB:.1f} of {H100_MEMORY_GIB:.1f} GiB"
+    engine = plan.roles.get("engine")
+    if engine is not None:
+        kv = engine.kv
+        summary += (f"; engine weights {engine.terms['weights'] / GIB:.1f} GiB, KV cache "
+                    f"{kv['kv_tokens']:,} tokens ({kv['rollouts_at_full_context']} rollouts at full "
+                    f"context; in-flight rollouts {kv['in_flight']})")
+    notes = [f"memory per GPU: {summary} (megatron-tg memory for the terms)"]
     return notes + [line.strip() for line in timeplan.render(timeplan.time_plan(cfg, plan))]
 
 
