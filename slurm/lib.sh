@@ -17,6 +17,8 @@
 #   judge     JUDGE_MODEL, JUDGE_NAME, JUDGE_TP, JUDGE_CMD, JUDGE_ARGS, or JUDGE_URL (external)
 #   trainer   TRAINER_CMD (default "$PYTHON -m megatron_tg.train"), PYTHON (default python3)
 #   network   PORT_BASE (default 29500; every port of the job is an offset from it)
+#   placement STEP_CPUS_PER_TASK (empty: a step gets its whole nodes; set: --exact with
+#             that many CPUs per task, so steps can share a node)
 #   timing    HEALTH_TIMEOUT (s, default 1800), HEALTH_POLL (s, 5), TEARDOWN_GRACE (s, 30),
 #             TRAIN_EXIT_WAIT (s, 300: how long ranks may outlive the first one to exit)
 #
@@ -145,7 +147,13 @@ tg_start_step() {  # step index [command...]; defaults to slurm/task.sh for serv
   elif [ "$TG_ACCEL" = gpu ]; then
     args+=(--gpus-per-node=0)
   fi
-  if [ "${TG_STEP_OVERLAP[i]}" = 1 ]; then args+=(--overlap); fi
+  if [ "${TG_STEP_OVERLAP[i]}" = 1 ]; then
+    args+=(--overlap)
+  elif [ -n "${STEP_CPUS_PER_TASK:-}" ]; then
+    # GPU steps sharing a node (slurm/preflight.sh): a step takes every CPU of its nodes
+    # unless --exact, and the next one would wait for them ("Requested nodes are busy").
+    args+=(--exact --cpus-per-task="$STEP_CPUS_PER_TASK")
+  fi
   # output: one file per step, appended across requeues; servers also write their own log
   args+=(--output="${TG_STEP_OUTPUT[i]}" --open-mode=append)
   # lifetime: a server rank that dies takes its step down (health wait sees it at once);

@@ -6,6 +6,8 @@
 # appends to that server's log and execs the server, so Slurm's signals reach the server
 # process itself. Commands per role, each overridable (tests use a fake server):
 #   engine  ENGINE=sglang:   ${ENGINE_CMD:-$PYTHON -m sglang.launch_server} --model-path M --tp-size T ...
+#                            plus the plan's TG_ENGINE_ARGS (--enable-deterministic-inference
+#                            when rollout.sampling_seed is set)
 #           ENGINE=embedded: ${ENGINE_CMD:-$PYTHON -m megatron_tg.rollout.engine} --model M ...
 #   router  ${ROUTER_CMD:-$PYTHON -m sglang_router.launch_router} --worker-urls URL... ...
 #   judge   ${JUDGE_CMD:-$PYTHON -m sglang.launch_server} --model-path M --served-model-name N ...
@@ -15,7 +17,7 @@ set -euo pipefail
 
 # Filled by the plan; declared here so a missing entry fails loudly under set -u.
 TG_STEP_FIRST=() TG_SERVER_NAME=() TG_SERVER_ROLE=() TG_SERVER_PORT=() TG_SERVER_GPUS=()
-TG_SERVER_LOG=() TG_SERVER_DIST=() TG_SERVER_NNODES=() TG_ENGINE_URLS=()
+TG_SERVER_LOG=() TG_SERVER_DIST=() TG_SERVER_NNODES=() TG_ENGINE_URLS=() TG_ENGINE_ARGS=()
 TG_ENGINE="" TG_ENGINE_MODEL="" TG_JUDGE_MODEL="" TG_JUDGE_NAME=""
 # shellcheck source=/dev/null
 source "$TG_JOB_DIR/plan.env"
@@ -38,7 +40,7 @@ case "${TG_SERVER_ROLE[i]}" in
   engine)
     if [ "$TG_ENGINE" = sglang ]; then
       read -r -a cmd <<<"${ENGINE_CMD:-$py -m sglang.launch_server}"
-      args=(--model-path "$TG_ENGINE_MODEL" --tp-size "${TG_SERVER_GPUS[i]}" "${multi[@]}")
+      args=(--model-path "$TG_ENGINE_MODEL" --tp-size "${TG_SERVER_GPUS[i]}" "${multi[@]}" "${TG_ENGINE_ARGS[@]}")
     else
       read -r -a cmd <<<"${ENGINE_CMD:-$py -m megatron_tg.rollout.engine}"
       args=(--model "$TG_ENGINE_MODEL")

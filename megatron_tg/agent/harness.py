@@ -9,27 +9,24 @@ Loop (token-exact; the engine's ids and log-probs are stored as generated, never
         run the calls in the sandboxed workspace; malformed calls become error observations
         append the tool responses as the template renders them (+ the next generation prompt)
     until the turn limit ("max_turns") or the context limit ("length")
-    then run the hidden tests on a copy of the final workspace -> metadata["tests_passed"]
+    then grade a copy of the final workspace (megatron_tg.agent.grading) -> metadata["tests_passed"]
 
-The result's metadata key ``tests_passed`` is what the judge's ``tests_pass`` checker reads.
+The result's metadata key ``tests_passed`` is what the judge's ``tests_pass`` checker reads;
+``tests`` holds the per-test results and, when it failed, why.
 A harness instance is shared by all rollouts (it holds no per-rollout state) and is the
 ``rollout_fn`` given to :class:`~megatron_tg.rollout.manager.RolloutManager`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import logging
-import os
-import shutil
-import stat
-import tempfile
 from typing import Any
 
-from megatron_tg.agent.sandbox import Limits, Sandbox, rmtree
-from megatron_tg.agent.tasks import Task, materialize, write_files
-from megatron_tg.agent.tools import Tools, tool_specs
+from megatron_tg.agent.environment import Environment, Episode, LocalEnvironment
+from megatron_tg.agent.runtimes import sandbox_from_config
+from megatron_tg.agent.sandbox import Sandbox
+from megatron_tg.agent.tasks import Task
+from megatron_tg.agent.tools import tool_specs
 from megatron_tg.chat.builder import RolloutBuilder
 from megatron_tg.chat.framing import ToolCall, continuation_ids, stop_token_id
 from megatron_tg.config.rollout import RolloutConfig
@@ -43,55 +40,44 @@ DEFAULT_SYSTEM_PROMPT = (
     "summary and no tool call.")
 MALFORMED_HINT = ("Write tool calls as <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n"
                   "</parameter>\n</function>\n</tool_call>")
-TEST_OUTPUT_CHARS = 2000
 
 
 class AgentHarness:
     def __init__(self, tokenizer, config: RolloutConfig | None = None, *, sandbox: Sandbox | None = None,
-                 system_prompt: str = DEFAULT_SYSTEM_PROMPT, workspace_root: str | None = None):
+                 system_prompt: str = DEFAULT_SYSTEM_PROMPT, workspace_root: str | None = None,
+                 environment: Environment | None = None):
         self.tok = tokenizer
         self.cfg = config or RolloutConfig()
-        self.sandbox = sandbox or Sandbox.from_config(self.cfg)
-        self.shell_limits = self.sandbox.limits
-        self.test_limits = Limits(**{**vars(self.sandbox.limits), "wall_s": self.cfg.test_timeout_s,
-                                     "cpu_s": max(1, int(self.cfg.test_timeout_s + 0.999))})
+        if environment is None and self.cfg.sandbox_url and sandbox is None:
+            from megatron_tg.agent.remote import RemoteEnvironment
+
+            environment = RemoteEnvironment.from_config(self.cfg)
+        self.sandbox = None
+        if environment is None:
+            self.sandbox = sandbox or sandbox_from_config(self.cfg)
+            environment = LocalEnvironment.from_config(self.cfg, self.sandbox, workspace_root)
+        self.env = environment
         self.system_prompt = system_prompt
-        self.workspace_root = workspace_root
         self.tools = tool_specs(self.cfg.search_default_lines)
         self.eos = stop_token_id(tokenizer)
 
     async def __call__(self, ctx) -> Rollout:
         return await self.run(ctx)
 
-    def _sandbox_for(self, task: Task) -> Sandbox:
-        if not task.source:
-            return self.sandbox
-        sb = copy.copy(self.sandbox)  # same limits and checks; also hide this task file
-        sb.hide = self.sandbox.hide + [task.source]
-        return sb
-
     async def run(self, ctx) -> Rollout:
         task = ctx.task if isinstance(ctx.task, Task) else Task.from_dict(ctx.task)
-        ws = tempfile.mkdtemp(prefix="tg-ws-", dir=self.workspace_root)
+        episode = await self.env.open(task)
         try:
-            await asyncio.to_thread(materialize, task, ws)  # a repo copy can be large
-            if not self.sandbox.checked:  # once, before per-task copies are made
-                await self.sandbox.self_test(ws)
-            sandbox = self._sandbox_for(task)
-            await asyncio.to_thread(sandbox.adopt, ws, ws)
-            tools = Tools(ws, sandbox, test_command=task.test_command,
-                          search_default_lines=self.cfg.search_default_lines,
-                          max_output_chars=self.cfg.tool_output_chars, shell_limits=self.shell_limits)
             b = RolloutBuilder(self.tok, [{"role": "system", "content": self.system_prompt},
                                           {"role": "user", "content": task.instruction}],
                                tools=self.tools, task_id=task.id, group_id=ctx.group_id, rollout_id=ctx.rollout_id)
-            finish, stats = await self._loop(ctx, b, tools)
-            metadata = {**stats, **await self._hidden_tests(task, ws, sandbox)}
+            finish, stats = await self._loop(ctx, b, episode)
+            metadata = {**stats, **await episode.grade()}
             return b.build(finish, metadata)
         finally:
-            rmtree(ws)
+            await episode.close()
 
-    async def _loop(self, ctx, b: RolloutBuilder, tools: Tools) -> tuple[str, dict[str, Any]]:
+    async def _loop(self, ctx, b: RolloutBuilder, tools: Episode) -> tuple[str, dict[str, Any]]:
         stats = {"tool_calls": 0, "tool_failures": 0, "malformed_tool_calls": 0, "search_calls": 0,
                  "search_calls_with_lines": 0}
         for turn in range(self.cfg.max_turns):
@@ -130,39 +116,6 @@ class AgentHarness:
                 return "length", stats  # the observations leave no room for another turn
             b.add_messages(messages, close_turn=close, meta={"calls": calls_meta})
         return "max_turns", stats
-
-    async def _hidden_tests(self, task: Task, ws: str, sandbox: Sandbox) -> dict[str, Any]:
-        """Run the hidden tests on a copy of the final workspace (the agent never sees them and
-        cannot touch the copy: its processes are gone when this runs)."""
-        ev = tempfile.mkdtemp(prefix="tg-eval-", dir=self.workspace_root)
-
-        def prepare():
-            shutil.copytree(ws, ev, symlinks=True, dirs_exist_ok=True, ignore=_special_files)
-            write_files(ev, task.hidden_files)
-            sandbox.adopt(ev, ev)
-
-        try:
-            await asyncio.to_thread(prepare)
-            res = await sandbox.run(task.hidden_test_command, ev, self.test_limits)
-        finally:
-            rmtree(ev)
-        return {"tests_passed": res.ok,
-                "tests": {"exit_code": res.exit_code, "timed_out": res.timed_out,
-                          "output": res.describe()[-TEST_OUTPUT_CHARS:]}}
-
-
-def _special_files(src: str, names: list[str]) -> list[str]:
-    """copytree filter: FIFOs, sockets and devices the agent made (copying a FIFO blocks)."""
-    out = []
-    for n in names:
-        try:
-            m = os.lstat(os.path.join(src, n)).st_mode
-        except OSError:
-            out.append(n)
-            continue
-        if not (stat.S_ISREG(m) or stat.S_ISDIR(m) or stat.S_ISLNK(m)):
-            out.append(n)
-    return out
 
 
 def run_standalone(harness: AgentHarness, client, task: Task, *, version: int = 0,

@@ -5,15 +5,21 @@ One task per line::
     {"id": "fizzbuzz",
      "instruction": "Implement fizzbuzz(n) in solution.py ...",      # the user message
      "files": {"solution.py": "def fizzbuzz(n):\\n    raise NotImplementedError\\n"},
-     "repo": "repos/fizz",          # optional: a directory copied in first (relative to the JSONL)
+     "repo": "repos/fizz",          # optional: a source tree copied in first, under the repos root
+     "base_commit": "3f1c...",      # optional: with a git mirror as repo, the commit checked out
      "test_command": "python test_visible.py",   # optional: what the agent's run_tests runs
-     "hidden_files": {"_hidden_test.py": "..."}, # written only for grading, never shown
-     "hidden_test_command": "python _hidden_test.py",
+     "hidden_files": {"tests/test_hidden.py": "..."},  # restored for grading, never shown
+     "fail_to_pass": ["tests/test_hidden.py::test_zero"],   # must pass after the change
+     "pass_to_pass": ["tests/test_old.py::test_basic"],     # must keep passing
+     "pythonpath": ["src"],         # optional: import roots of the tests (default: the workspace)
+     "image": "docker://...",       # optional: the per-instance image for container sandboxes
      "privileged": {...},           # optional, for the judge only (e.g. a reference solution)
      "metadata": {...}}             # optional, free-form
 
-The reward is whether ``hidden_test_command`` exits 0 in a copy of the final workspace with
-``hidden_files`` added (see :mod:`megatron_tg.agent.harness`).
+The reward is decided by :mod:`megatron_tg.agent.grading`: pytest, run by the grader on a
+copy of the final workspace with the test files restored from the task, must report every
+``fail_to_pass`` and ``pass_to_pass`` test as passed. SWE-bench-style rows (``instance_id``,
+``FAIL_TO_PASS``, ...) are read by :mod:`megatron_tg.agent.swe.formats`.
 """
 
 from __future__ import annotations
@@ -21,99 +27,40 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
+from megatron_tg.agent.task_types import (
+    Task,
+    TaskFormatError,
+    resolve_repo,
+    safe_relpath,
+    test_ids,
+)
+
+__all__ = ["BUILTIN_TASKS", "Task", "TaskFormatError", "builtin_tasks", "load_tasks", "materialize",
+           "resolve_repo", "safe_relpath", "test_ids", "write_files"]
+
 BUILTIN_TASKS = Path(__file__).parent / "data" / "tasks.jsonl"
-_KEYS = {"id", "instruction", "files", "repo", "test_command", "hidden_files", "hidden_test_command",
-         "privileged", "metadata"}
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in d:
+            raise TaskFormatError(f"duplicate key {k!r} in one object (JSON keeps only the last)")
+        d[k] = v
+    return d
 
 
-class TaskFormatError(ValueError):
-    pass
+def load_tasks(path: str | os.PathLike, repos_root: str | os.PathLike | None = None) -> list[Task]:
+    """Read a task JSONL; errors name the file, line and field. Ids must be unique.
+    SWE-bench-style rows (with ``instance_id``) are converted by :mod:`megatron_tg.agent.swe.formats`."""
+    from megatron_tg.agent.swe.formats import is_swe_row, task_from_swe_row
 
-
-@dataclass
-class Task:
-    id: str
-    instruction: str
-    hidden_test_command: str
-    files: dict[str, str] = field(default_factory=dict)
-    repo: str | None = None
-    """Absolute path of a directory whose contents seed the workspace (before ``files``)."""
-    test_command: str | None = None
-    hidden_files: dict[str, str] = field(default_factory=dict)
-    privileged: Any = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    source: str | None = None
-    """The file this task was read from (the sandbox hides it: it holds the hidden tests)."""
-
-    @classmethod
-    def from_dict(cls, d: Any, base_dir: str | os.PathLike | None = None, source: str | None = None) -> "Task":
-        if not isinstance(d, dict):
-            raise TaskFormatError(f"expected an object, got {type(d).__name__}")
-        unknown = sorted(set(d) - _KEYS)
-        if unknown:
-            raise TaskFormatError(f"unknown field(s) {unknown}")
-        for k in ("id", "instruction", "hidden_test_command"):
-            if not isinstance(d.get(k), str) or not d[k].strip():
-                raise TaskFormatError(f"{k}: must be a non-empty string, got {d.get(k)!r}")
-        files = _file_map(d.get("files", {}), "files")
-        hidden = _file_map(d.get("hidden_files", {}), "hidden_files")
-        repo = d.get("repo")
-        if repo is not None:
-            if not isinstance(repo, str):
-                raise TaskFormatError(f"repo: must be a path string, got {repo!r}")
-            repo = os.path.abspath(os.path.join(base_dir or ".", repo))
-            if not os.path.isdir(repo):
-                raise TaskFormatError(f"repo: {repo} is not a directory")
-        tc = d.get("test_command")
-        if tc is not None and not isinstance(tc, str):
-            raise TaskFormatError(f"test_command: must be a string, got {tc!r}")
-        md = d.get("metadata", {})
-        if not isinstance(md, dict):
-            raise TaskFormatError("metadata: must be an object")
-        return cls(id=d["id"], instruction=d["instruction"], hidden_test_command=d["hidden_test_command"],
-                   files=files, repo=repo, test_command=tc, hidden_files=hidden,
-                   privileged=d.get("privileged"), metadata=md, source=source)
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": self.id, "instruction": self.instruction, "files": self.files,
-                             "hidden_test_command": self.hidden_test_command}
-        for k in ("repo", "test_command", "privileged"):
-            if getattr(self, k) is not None:
-                d[k] = getattr(self, k)
-        if self.hidden_files:
-            d["hidden_files"] = self.hidden_files
-        if self.metadata:
-            d["metadata"] = self.metadata
-        return d
-
-
-def _file_map(v: Any, name: str) -> dict[str, str]:
-    if not isinstance(v, dict):
-        raise TaskFormatError(f"{name}: must be an object {{path: content}}")
-    for p, c in v.items():
-        safe_relpath(p, name)
-        if not isinstance(c, str):
-            raise TaskFormatError(f"{name}[{p!r}]: content must be a string")
-    return dict(v)
-
-
-def safe_relpath(p: Any, what: str = "path") -> PurePosixPath:
-    """A relative path that stays inside its root (no absolute paths, no ``..``)."""
-    if not isinstance(p, str) or not p or "\x00" in p:
-        raise TaskFormatError(f"{what}: invalid path {p!r}")
-    pp = PurePosixPath(p)
-    if pp.is_absolute() or ".." in pp.parts:
-        raise TaskFormatError(f"{what}: path {p!r} must be relative and stay inside the workspace")
-    return pp
-
-
-def load_tasks(path: str | os.PathLike) -> list[Task]:
-    """Read a task JSONL; errors name the file and line. Ids must be unique."""
     path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise TaskFormatError(f"task file {path} does not exist (see the README's agent section for how "
+                              "to build one)")
     tasks: list[Task] = []
     seen: set[str] = set()
     with open(path, encoding="utf-8") as f:
@@ -121,7 +68,11 @@ def load_tasks(path: str | os.PathLike) -> list[Task]:
             if not line.strip():
                 continue
             try:
-                t = Task.from_dict(json.loads(line), base_dir=os.path.dirname(path), source=path)
+                row = json.loads(line, object_pairs_hook=_no_duplicate_keys)
+                if is_swe_row(row):
+                    t = task_from_swe_row(row, repos_root=repos_root or os.path.dirname(path), source=path)
+                else:
+                    t = Task.from_dict(row, base_dir=os.path.dirname(path), source=path, repos_root=repos_root)
             except (json.JSONDecodeError, TaskFormatError) as e:
                 raise TaskFormatError(f"{path}:{n}: {e}") from e
             if t.id in seen:
@@ -156,7 +107,11 @@ def write_files(root: str | os.PathLike, files: dict[str, str]) -> None:
 def materialize(task: Task, dest: str | os.PathLike) -> Path:
     """Fill ``dest`` (an empty directory) with the task's starting files."""
     dest = Path(dest)
-    if task.repo is not None:
+    if task.repo is not None and task.base_commit is not None:
+        from megatron_tg.agent.swe.repos import checkout
+
+        checkout(task.repo, task.base_commit, dest)
+    elif task.repo is not None:
         shutil.copytree(task.repo, dest, symlinks=True, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(".git"))
     write_files(dest, task.files)

@@ -64,6 +64,22 @@ def tool_specs(search_default_lines: int = 5) -> list[dict[str, Any]]:
     ]
 
 
+def printable(text: str) -> str:
+    """Valid UTF-8 text for the tokenizer: a file name that is not valid UTF-8 comes from the
+    OS as lone surrogates (surrogateescape), which cannot be encoded; each such byte becomes
+    U+FFFD, as the rest of the observation's undecodable bytes do."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        raw = text.encode("utf-8", "surrogateescape") if _only_escapes(text) else text.encode("utf-8", "surrogatepass")
+        return raw.decode("utf-8", "replace")
+
+
+def _only_escapes(text: str) -> bool:
+    return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in text)
+
+
 class ToolError(Exception):
     """A tool call that cannot be carried out; its message is the observation."""
 
@@ -105,11 +121,11 @@ class Tools:
             ok = True
             if isinstance(out, tuple):
                 out, ok = out
-            return ToolResult(name, self._cap(out), ok)
+            return ToolResult(name, self._cap(printable(out)), ok)
         except ToolError as e:
-            return ToolResult(name, f"Error: {e}", False, {"error": str(e)})
+            return ToolResult(name, printable(f"Error: {e}"), False, {"error": printable(str(e))})
         except OSError as e:  # permissions, a directory given as file, ...
-            return ToolResult(name, f"Error: {e.strerror or e}", False, {"error": repr(e)})
+            return ToolResult(name, printable(f"Error: {e.strerror or e}"), False, {"error": printable(repr(e))})
 
     def _typed(self, name: str, arguments: dict[str, str]) -> dict[str, Any]:
         """Check the call against the tool's schema; type its raw string values."""

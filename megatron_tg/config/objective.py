@@ -13,12 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List
 
+from megatron_tg.config.base import ConfigError
+
 MODES = ("tg", "grpo", "opsd", "always_on", "no_thinking")
-KL_DIRECTIONS = ("reverse", "forward", "jsd")
+KL_DIRECTIONS = ("reverse", "forward", "jsd")  # = megatron_tg.ops.vocab_parallel's (a test checks)
 KL_TOKEN_NORMALIZATIONS = ("rollout_gated", "rollout_assistant", "global")
 PG_TOKEN_NORMALIZATIONS = ("rollout", "global")
 EXPERTS = ("shared", "frozen", "ema")
 EXPERT_SEQUENCES = ("shared", "exact")
+OLD_LOGPROBS = ("student", "behaviour")
+TIS_MODES = ("truncate", "mask")
 
 
 @dataclass
@@ -46,15 +50,15 @@ class EntropyGuardConfig:
 
     def validate(self) -> None:
         if self.rise_threshold <= 0:
-            raise ValueError(f"entropy_guard.rise_threshold must be > 0, got {self.rise_threshold}")
+            raise ConfigError(f"objective.entropy_guard.rise_threshold must be > 0, got {self.rise_threshold}")
         if not 0.0 <= self.smoothing < 1.0:
-            raise ValueError(f"entropy_guard.smoothing must be in [0, 1), got {self.smoothing}")
+            raise ConfigError(f"objective.entropy_guard.smoothing must be in [0, 1), got {self.smoothing}")
         if not 0.0 < self.decay_factor < 1.0:
-            raise ValueError(f"entropy_guard.decay_factor must be in (0, 1), got {self.decay_factor}")
+            raise ConfigError(f"objective.entropy_guard.decay_factor must be in (0, 1), got {self.decay_factor}")
         if not 0.0 < self.recover_rate <= 1.0:
-            raise ValueError(f"entropy_guard.recover_rate must be in (0, 1], got {self.recover_rate}")
+            raise ConfigError(f"objective.entropy_guard.recover_rate must be in (0, 1], got {self.recover_rate}")
         if self.min_coef < 0:
-            raise ValueError(f"entropy_guard.min_coef must be >= 0, got {self.min_coef}")
+            raise ConfigError(f"objective.entropy_guard.min_coef must be >= 0, got {self.min_coef}")
 
 
 @dataclass
@@ -65,7 +69,7 @@ class ObjectiveConfig:
     """One of: "tg" (GRPO + KL on turns that failed ≥1 criterion; the paper's method),
     "grpo" (no KL term), "opsd" (KL on every assistant turn, ungated, and only
     ``primary_criteria`` enter the reward: the style criteria teach through the KL alone; the
-    on-policy self-distillation baseline of paper §5.2-5.3 and of the FACTS.md prototype),
+    on-policy self-distillation baseline of paper §5.2-5.3 and of the prototype in docs/measurements.md),
     "always_on" (KL on every assistant turn, failing or not; paper §5.3 ablation),
     "no_thinking" (tg, but no KL on thinking tokens; paper §5.4 / Fig. 7 ablation)."""
 
@@ -73,14 +77,14 @@ class ObjectiveConfig:
     """λ. The paper sweeps it and reports that large values spike entropy and then collapse the
     pass rate (§5.4, Fig. 6), while a static low value is stable. The KL is averaged per token,
     and a per-token GRPO surrogate is O(|advantage|) ≈ 1, so 0.1 keeps distillation below the
-    RL signal by default; recipes should sweep it (in the FACTS.md toy, forward KL learned at
+    RL signal by default; recipes should sweep it (in the docs/measurements.md prototype, forward KL learned at
     λ=1, while reverse KL collapsed at 1 and did not move in 80 steps at 0.1-0.3)."""
 
     kl_direction: str = "reverse"
     """"reverse" = KL(π_θ ‖ sg π_expert), the paper's equation; "forward" = KL(sg π_expert ‖ π_θ)
-    (the direction that learned in the prototype where reverse collapsed, see FACTS.md);
+    (the direction that learned in the prototype where reverse collapsed, see docs/measurements.md);
     "jsd" = generalised Jensen-Shannon with ``jsd_beta`` (β→0 behaves like forward, β→1 like
-    reverse; exact convention in ``megatron_tg/ops/kl.py``)."""
+    reverse; exact convention in ``megatron_tg/ops/vocab_parallel.py``)."""
 
     jsd_beta: float = 0.5
     """β of the generalised JSD; mixture m = β·p_expert + (1-β)·p_student, loss =
@@ -112,12 +116,24 @@ class ObjectiveConfig:
     """PPO ratio clip, upper side. 0.28 > 0.2 ("clip-higher", DAPO) leaves room for raising
     low-probability tokens, the exploratory direction targeted guidance pushes towards."""
 
+    old_logprobs: str = "student"
+    """Where π_old (the PPO ratio's denominator and TIS's numerator) comes from when the batch
+    carries no ``old_logprobs``: "student" = the student pass's own log-probs, detached. That
+    is exact when one optimizer step consumes the batch (the trainer's only schedule: the
+    weights have not moved yet), and costs no extra forward pass; the ratio is then 1 and the
+    engine gap is corrected by TIS alone. "behaviour" = no π_old: the ratio is taken against
+    the engine's log-probs and TIS is off (the pre-correction behaviour, for ablations)."""
+
     tis_cap: float = 2.0
     """C of truncated importance sampling: the per-token, stop-gradient weight
     min(exp(logp_old − logp_behaviour), C) corrects the gap between the rollout engine's
-    log-probs (behaviour: other kernels, a few weight versions stale) and the trainer's
-    recomputed ``old_logprobs``. Applies only when the batch carries ``old_logprobs``; without
-    them the PPO ratio is taken against the behaviour log-probs directly. <= 0 disables it."""
+    log-probs (behaviour: other kernels, a few weight versions stale) and the trainer's π_old
+    (see ``old_logprobs``). <= 0 disables it."""
+
+    tis_mode: str = "truncate"
+    """"truncate" = weight min(w, tis_cap) (TIS); "mask" = weight w inside the band
+    [1/tis_cap, tis_cap] and 0 outside it (masked IS: tokens whose engine probability is far
+    from the trainer's are dropped rather than down-weighted)."""
 
     advantage_std_norm: bool = True
     """Divide group-centred rewards by the group's std (GRPO). False = Dr.GRPO-style centring only."""
@@ -135,7 +151,7 @@ class ObjectiveConfig:
 
     expert: str = "shared"
     """Weights the expert forward runs with: "shared" = the live policy (paper), "frozen" = the
-    initial policy, "ema" = an exponential moving average of the policy (FACTS.md: the shared
+    initial policy, "ema" = an exponential moving average of the policy (docs/measurements.md: the shared
     expert degraded in the prototype; the alternatives are untested candidates)."""
 
     ema_decay: float = 0.99
@@ -162,29 +178,33 @@ class ObjectiveConfig:
     """Optional λ back-off controller on entropy spikes (off by default)."""
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise ConfigError (a ValueError) naming the first invalid field."""
         for name, allowed in (("mode", MODES), ("kl_direction", KL_DIRECTIONS),
                               ("kl_token_normalization", KL_TOKEN_NORMALIZATIONS),
                               ("pg_token_normalization", PG_TOKEN_NORMALIZATIONS),
-                              ("expert", EXPERTS), ("expert_sequence", EXPERT_SEQUENCES)):
+                              ("expert", EXPERTS), ("expert_sequence", EXPERT_SEQUENCES),
+                              ("old_logprobs", OLD_LOGPROBS), ("tis_mode", TIS_MODES)):
             value = getattr(self, name)
             if value not in allowed:
-                raise ValueError(f"objective.{name} must be one of {allowed}, got {value!r}")
+                raise ConfigError(f"objective.{name} must be one of {allowed}, got {value!r}")
         if self.kl_coef < 0:
-            raise ValueError(f"objective.kl_coef must be >= 0, got {self.kl_coef}")
+            raise ConfigError(f"objective.kl_coef must be >= 0, got {self.kl_coef}")
         if not 0.0 <= self.jsd_beta <= 1.0:
-            raise ValueError(f"objective.jsd_beta must be in [0, 1], got {self.jsd_beta}")
+            raise ConfigError(f"objective.jsd_beta must be in [0, 1], got {self.jsd_beta}")
         if not 0.0 <= self.clip_eps_low < 1.0:
-            raise ValueError(f"objective.clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
+            raise ConfigError(f"objective.clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
         if self.clip_eps_high < 0:
-            raise ValueError(f"objective.clip_eps_high must be >= 0, got {self.clip_eps_high}")
+            raise ConfigError(f"objective.clip_eps_high must be >= 0, got {self.clip_eps_high}")
+        if self.tis_mode == "mask" and not self.tis_cap > 1.0:
+            raise ConfigError(f"objective.tis_cap must be > 1 with tis_mode='mask' (the band "
+                             f"[1/tis_cap, tis_cap] would be empty), got {self.tis_cap}")
         if self.adv_eps <= 0:
-            raise ValueError(f"objective.adv_eps must be > 0, got {self.adv_eps}")
+            raise ConfigError(f"objective.adv_eps must be > 0, got {self.adv_eps}")
         if not 0.0 <= self.ema_decay < 1.0:
-            raise ValueError(f"objective.ema_decay must be in [0, 1), got {self.ema_decay}")
+            raise ConfigError(f"objective.ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.logits_chunk_size < 1:
-            raise ValueError(f"objective.logits_chunk_size must be >= 1, got {self.logits_chunk_size}")
+            raise ConfigError(f"objective.logits_chunk_size must be >= 1, got {self.logits_chunk_size}")
         for name, w in self.criterion_weights.items():
             if not isinstance(w, (int, float)):
-                raise ValueError(f"objective.criterion_weights[{name!r}] must be a number, got {w!r}")
+                raise ConfigError(f"objective.criterion_weights[{name!r}] must be a number, got {w!r}")
         self.entropy_guard.validate()

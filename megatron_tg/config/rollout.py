@@ -8,10 +8,11 @@ from typing import List, Optional
 from megatron_tg.config.base import ConfigError, check_choice, check_range
 
 ENGINES = ("embedded", "sglang")
-SANDBOXES = ("bwrap", "none")
+SANDBOXES = ("bwrap", "none", "apptainer", "enroot", "pyxis")
 TOOL_CALL_READINGS = ("strict", "sglang")  # megatron_tg.chat.tool_reading.READINGS
 STALE_POLICIES = ("drop", "regenerate")
 PAUSE_MODES = ("in_place", "retract", "abort")
+SYNC_BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass
@@ -77,10 +78,12 @@ class RolloutConfig:
     """What happens to a group older than max_staleness: "drop" it (counted as dropped/stale) or
     "regenerate" its prompt (at most max_retries times, then dropped)."""
 
-    pause_mode: str = "in_place"
-    """How engines pause for an in-flight weight update: "in_place" (keep running requests and
-    their KV cache), "retract" (keep requests, drop and recompute the cache) or "abort" (cut
-    them; the rollout resubmits the rest of the turn after the update)."""
+    pause_mode: str = "retract"
+    """How engines pause for a weight update: "retract" (keep requests, drop their KV and
+    recompute it under the new weights; the sync flushes the prefix cache while paused),
+    "abort" (cut them; the rollout resubmits the rest of the turn after the update) or
+    "in_place" (keep requests and their KV in the running batch; SGLang then refuses any
+    flush, so the sync skips it and prefixes cached under the old weights stay in use)."""
 
     request_timeout_s: float = 600.0
     """Seconds before one generation request to an engine is abandoned and retried."""
@@ -94,7 +97,27 @@ class RolloutConfig:
 
     sandbox: str = "bwrap"
     """Isolation of the tool calls that run model-written code: "bwrap" = bubblewrap with no
-    network and a read-only root; "none" = run directly (needs ``allow_unsandboxed``)."""
+    network, only system directories and the Python environment bound read-only; "apptainer",
+    "enroot", "pyxis" = the task's per-instance container image (``image`` in the task row)
+    run by that runtime; "none" = run directly (needs ``allow_unsandboxed``)."""
+
+    sandbox_url: Optional[str] = None
+    """Base URL of a remote environment worker (``python -m megatron_tg.agent.remote serve``
+    on a CPU node) that holds the workspaces, runs the tools and grades; None = run them in
+    this process."""
+
+    sandbox_token_file: Optional[str] = None
+    """File holding the shared secret the remote environment worker requires (sent as a
+    bearer token); required with ``sandbox_url``."""
+
+    repos_root: Optional[str] = None
+    """Directory holding the local git mirrors (or source trees) that task rows name in
+    ``repo``; a row whose repo resolves outside it is refused. None = the task file's own
+    directory."""
+
+    workspace_root: Optional[str] = None
+    """Where workspaces are created (one directory per run, removed at exit; those of a dead
+    run are removed when the next one starts). None = the system temp directory."""
 
     allow_unsandboxed: bool = False
     """Explicit consent to ``sandbox=none``; model-written code then runs with your permissions."""
@@ -110,10 +133,16 @@ class RolloutConfig:
     """Wall-clock limit of one run_shell / run_tests call; also its CPU-seconds limit."""
 
     tool_memory_mb: int = 2048
-    """Address-space limit of each sandboxed process (prlimit --as)."""
+    """Memory of one tool call: resident memory summed over all its processes, and the
+    address space of each (prlimit --as)."""
 
     tool_max_procs: int = 64
-    """Most processes a sandboxed command may run at once (prlimit --nproc; stops fork bombs)."""
+    """Most processes a sandboxed command may run at once, counted over the whole call (its
+    pid namespace) and per user (prlimit --nproc; stops fork bombs)."""
+
+    tool_disk_mb: int = 1024
+    """Disk quota of one workspace (allocated blocks): a command that grows it past this is
+    killed, and a workspace over it is graded as failing."""
 
     tool_output_chars: int = 8192
     """Most characters of one tool result shown to the agent; the rest is cut with a note."""
@@ -132,8 +161,32 @@ class RolloutConfig:
     """Address the engines reach trainer rank 0 at for the weight-update group (SGLang's
     ``init_weights_update_group``); default: loopback for embedded engines, else this host."""
 
+    sync_backend: str = "auto"
+    """Transport of the weight-update group: "nccl" (GPU tensors; SGLang's default on
+    clusters), "gloo" (CPU tensors; the embedded engines) or "auto" = nccl when the trainer
+    has a GPU and the engines are SGLang servers, else gloo."""
+
     sync_bucket_mb: int = 512
-    """Weight sync bucket size in MiB (one broadcast per bucket)."""
+    """Weight sync bucket size in MiB (one broadcast per bucket; rank 0 holds one bucket)."""
+
+    sync_verify_coverage: bool = True
+    """At the first sync, prove every engine weight is written by a sync: SGLang's weight
+    checker snapshots the engine, overwrites every weight with noise, the same weights are
+    pushed again, and the engine compares against the snapshot (catches names the loader
+    skips). Costs one extra sync, once."""
+
+    sync_probe_interval: int = 1
+    """Every this many syncs, each engine's log-probs of a fixed sequence are compared with
+    the trainer's; a mismatch above sync_probe_tol stops training naming the engine. 0 = never."""
+
+    sync_probe_tol: float = 0.1
+    """Largest mean |engine - trainer| log-prob difference over the probe sequence that still
+    counts as the same weights. Rounding (bf16 kernels that differ between trainer and
+    engine) must stay below it; a skipped or wrong tensor moves log-probs far more. It
+    cannot see a one-step-stale engine (that is what the weight version check is for)."""
+
+    sync_probe_tokens: int = 32
+    """Length of the probe sequence (one prompt-log-prob request per engine per probe)."""
 
     def validate(self) -> None:
         check_choice("rollout.engine", self.engine, ENGINES)
@@ -141,13 +194,14 @@ class RolloutConfig:
         check_choice("rollout.tool_call_reading", self.tool_call_reading, TOOL_CALL_READINGS)
         check_choice("rollout.stale_policy", self.stale_policy, STALE_POLICIES)
         check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
+        check_choice("rollout.sync_backend", self.sync_backend, SYNC_BACKENDS)
         check_range("rollout.max_inflight_rollouts", self.max_inflight_rollouts, ge=0)
         if self.max_inflight_rollouts and self.max_inflight_rollouts < self.group_size:
             raise ConfigError(f"rollout.max_inflight_rollouts: must be 0 (auto) or >= rollout.group_size="
                               f"{self.group_size} (room for one whole group); got {self.max_inflight_rollouts}")
         for name in ("tool_timeout_s", "test_timeout_s"):
             check_range(f"rollout.{name}", getattr(self, name), gt=0)
-        for name in ("tool_memory_mb", "tool_max_procs", "tool_output_chars", "search_default_lines"):
+        for name in ("tool_memory_mb", "tool_max_procs", "tool_disk_mb", "tool_output_chars", "search_default_lines"):
             check_range(f"rollout.{name}", getattr(self, name), ge=1)
         for name in ("num_engines", "engine_tp", "prompts_per_step", "max_new_tokens", "max_turns",
                      "buffer_size", "sync_bucket_mb"):
@@ -160,9 +214,15 @@ class RolloutConfig:
         check_range("rollout.max_staleness", self.max_staleness, ge=0)
         check_range("rollout.request_timeout_s", self.request_timeout_s, gt=0)
         check_range("rollout.max_retries", self.max_retries, ge=0)
+        check_range("rollout.sync_probe_interval", self.sync_probe_interval, ge=0)
+        check_range("rollout.sync_probe_tol", self.sync_probe_tol, gt=0)
+        check_range("rollout.sync_probe_tokens", self.sync_probe_tokens, ge=2)
         if self.buffer_size < self.prompts_per_step:
             raise ConfigError(f"rollout.buffer_size: must hold one step's groups "
                               f"(rollout.prompts_per_step={self.prompts_per_step}); got {self.buffer_size}")
+        if self.sandbox_url is not None and not self.sandbox_token_file:
+            raise ConfigError(f"rollout.sandbox_token_file: required with rollout.sandbox_url="
+                              f"{self.sandbox_url!r} (the worker runs model-written code); got None")
         if self.sandbox == "none" and not self.allow_unsandboxed:
             raise ConfigError("rollout.sandbox: 'none' runs model-written code unconfined; "
                               "set rollout.allow_unsandboxed=true to accept that; got 'none'")

@@ -94,5 +94,22 @@ class LoggingConfig:
     progress_bar: bool = True
     """Show a tqdm bar on rank 0 (turn off for batch jobs whose log is a file)."""
 
+    samples_per_step: int = 256
+    """Rollouts recorded per step in ``run_dir/samples/step_NNNNN.jsonl`` (id, policy
+    version, turns, verdicts, feedback, judge reply on an error, reward, advantage, gate and
+    KL per turn); judge errors first. 0 = no records."""
+
+    samples_text: bool = False
+    """Record each turn's decoded text (cut to ``samples_max_chars``); False = token counts."""
+
+    samples_max_chars: int = 4000
+    """Longest text kept per recorded string (turn text, feedback, judge reply)."""
+
+    samples_compress_bytes: int = 1 << 20
+    """A step's records larger than this are written gzip-compressed (``.jsonl.gz``)."""
+
     def validate(self) -> None:
         check_range("logging.log_interval", self.log_interval, ge=1)
+        check_range("logging.samples_per_step", self.samples_per_step, ge=0)
+        check_range("logging.samples_max_chars", self.samples_max_chars, ge=1)
+        check_range("logging.samples_compress_bytes", self.samples_compress_bytes, ge=0)

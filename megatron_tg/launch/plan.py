@@ -152,6 +152,8 @@ class Plan:
     engine: str
     engine_model: str
     engine_tp: int
+    engine_args: list[str]
+    """SGLang flags the recipe itself requires (before ENGINE_ARGS); see :func:`engine_flags`."""
     judge_model: str
     judge_name: str
     judge_url: str
@@ -369,7 +371,9 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         layout=dims.describe(), master_addr=master_addr, master_port=port["master"],
         sync_master=sync_master, engine=engine if want_engines else "",
         engine_model=(knobs.engine_model or cfg.model.hf_checkpoint or cfg.model.hf_config) if want_engines else "",
-        engine_tp=tp if want_engines else 0, judge_model=judge_model if start_judge else "",
+        engine_tp=tp if want_engines else 0,
+        engine_args=engine_flags(cfg.rollout) if want_engines and engine == "sglang" else [],
+        judge_model=judge_model if start_judge else "",
         judge_name=judge_name if judge_url else "", judge_url=judge_url, router_url=router_url,
         servers=servers, steps=steps, train_args=train_args, notes=notes, blockers=blockers)
 
@@ -380,6 +384,19 @@ def _memory_check(cfg: TGConfig, world: int, accel: str) -> list[str]:
     from megatron_tg.launch.memory import launch_check
 
     return launch_check(cfg, world, accel)
+
+
+def engine_flags(r: RolloutConfig) -> list[str]:
+    """``sglang.launch_server`` flags that follow from the rollout config.
+
+    * ``rollout.sampling_seed`` set: ``--enable-deterministic-inference``. SGLang reads a
+      request's ``sampling_seed`` only in that mode (batch-invariant kernels; without it
+      the seed is ignored); the embedded CPU engine honours seeds always and needs no flag.
+    """
+    flags = []
+    if r.sampling_seed is not None:
+        flags.append("--enable-deterministic-inference")
+    return flags
 
 
 def _judge_needed(cfg: TGConfig) -> tuple[bool, str]:

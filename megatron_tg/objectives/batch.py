@@ -81,8 +81,9 @@ class PolicyBatch:
     """[Vs, H]: the expert's output weight when it is not the student's (frozen/EMA expert)."""
 
     old_logprobs: Optional[torch.Tensor] = None
-    """[N]: trainer-recomputed log-probs of the pre-update weights. With them, the PPO ratio is
-    taken against them and TIS corrects old vs behaviour; without, the ratio uses behaviour."""
+    """[N]: log-probs of the pre-update weights, when the caller computed them (e.g. a batch
+    consumed by several optimizer steps). None: ``ObjectiveConfig.old_logprobs`` decides (by
+    default the student's own log-probs, detached: exact for one optimizer step per batch)."""
     vocab_size: Optional[int] = None
     """True vocabulary size (columns beyond it are padding)."""
 

@@ -89,9 +89,13 @@ def kl_token_weights(batch: PolicyBatch, cfg: ObjectiveConfig, gate_index: torch
 
 
 def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist.ProcessGroup] = None,
-                  *, reduce_hidden_grad: bool = True
+                  *, reduce_hidden_grad: bool = True,
+                  rows: Optional[dict[str, torch.Tensor]] = None
                   ) -> tuple[Optional[torch.Tensor], dict[str, torch.Tensor]]:
-    """(L_KL or None when no row is gated, metrics). λ is applied by the caller."""
+    """(L_KL or None when no row is gated, metrics). λ is applied by the caller.
+
+    ``rows``, when given, receives ``kl`` [N]: the divergence of each gated row (0 elsewhere),
+    detached, for per-turn records."""
     gate_index = batch.resolved_gate_index()
     student = batch.logits if batch.logits is not None else batch.hidden
     dtype = torch.promote_types(student.dtype, torch.float32)
@@ -126,4 +130,6 @@ def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist
     with torch.no_grad():
         gate_w = gate[gate_index]
         metrics["kl/mean_gated"] = (kl * gate_w).sum() / gate_w.sum().clamp(min=1e-12)
+        if rows is not None:
+            rows["kl"] = kl.new_zeros(batch.num_rows).index_copy(0, gate_index, kl.detach())
     return term, metrics

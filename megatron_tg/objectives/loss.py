@@ -49,6 +49,9 @@ class LossOutput:
     """Named terms exactly as summed (``kl`` already includes λ)."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """Detached scalars for logging."""
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Detached per-row values [N] for per-sample records: ``is_weight`` (applied importance
+    weight) and, when the KL ran, ``kl`` (0 on ungated rows)."""
 
 
 class TGObjective:
@@ -100,7 +103,8 @@ class TGObjective:
     def __call__(self, batch: PolicyBatch) -> LossOutput:
         batch.validate()
         logp = self._logprob(batch)
-        pg, metrics = policy_gradient_term(logp, batch, self.cfg)
+        rows: dict[str, torch.Tensor] = {}
+        pg, metrics = policy_gradient_term(logp, batch, self.cfg, rows)
         terms = {"pg": pg}
         loss = pg
 
@@ -110,11 +114,12 @@ class TGObjective:
             # λ = 0 (e.g. the guard's floor): no term, but the divergence is still logged.
             with torch.set_grad_enabled(torch.is_grad_enabled() and coef > 0):
                 kl, kl_metrics = gated_kl_term(batch, self.cfg, self.group,
-                                               reduce_hidden_grad=self.reduce_hidden_grad)
+                                               reduce_hidden_grad=self.reduce_hidden_grad,
+                                               rows=rows)
             metrics.update(kl_metrics)
             if kl is not None and coef > 0:
                 terms["kl"] = coef * kl
                 loss = loss + terms["kl"]
         if self.compute_entropy:
             metrics.update(self._entropy_metrics(batch))
-        return LossOutput(loss=loss, terms=terms, metrics=metrics)
+        return LossOutput(loss=loss, terms=terms, metrics=metrics, rows=rows)

@@ -11,14 +11,14 @@ no_thinking  yes      failing turns      never             all (weighted)
 ===========  =======  =================  ================  ======================
 
 "opsd" is ungated on purpose: it is the prior-work baseline (global privileged context, no
-failure gating) that the paper compares against, as in the FACTS.md prototype.
+failure gating) that the paper compares against, as in the prototype in docs/measurements.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_tg.config.objective import ObjectiveConfig
+from megatron_tg.config.objective import MODES, ObjectiveConfig
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ModeSwitches:
 
 def mode_switches(cfg: ObjectiveConfig) -> ModeSwitches:
     mode = cfg.mode
-    if mode not in ("tg", "grpo", "opsd", "always_on", "no_thinking"):
+    if mode not in MODES:
         raise ValueError(f"objective.mode: unknown mode {mode!r}")
     return ModeSwitches(
         kl=mode != "grpo",

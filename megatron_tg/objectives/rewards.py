@@ -4,7 +4,10 @@ Math contract:
 
 * Reward (paper §3): R(τ) = Σ_i w_i · R_i(τ), R_i ∈ {0, 1} the judge's criteria, w_i from
   ``criterion_weights`` (missing names weigh 1). In mode "opsd" every criterion not in
-  ``primary_criteria`` gets w_i = 0 (the style criteria then act only through the KL).
+  ``primary_criteria`` gets w_i = 0 (the style criteria then act only through the KL). The
+  config's empty default means "the rubric's primary flags": the trainer resolves it
+  (``train.rollouts.primary_criteria``) before rewards are combined, and an empty list in
+  mode "opsd" is refused here (it would make every reward 0).
 * Advantage (GRPO): for rollout j of group g,
   A_j = (R_j − mean_g R) / (std_g R + adv_eps)  if ``advantage_std_norm``, else R_j − mean_g R.
   std_g is the *population* std (divide by n, not n−1), so a group of one rollout or a group
@@ -27,6 +30,9 @@ from megatron_tg.objectives.modes import mode_switches
 def criterion_weight_vector(criteria: Sequence[str], cfg: ObjectiveConfig) -> torch.Tensor:
     """w_i for each criterion name, after the mode's switch (opsd: primary criteria only)."""
     primary_only = mode_switches(cfg).primary_rewards_only
+    if primary_only and not cfg.primary_criteria:
+        raise ValueError("mode 'opsd' rewards only primary criteria, and none are set "
+                         "(objective.primary_criteria, resolved from the rubric's primary flags)")
     weights = []
     for name in criteria:
         w = float(cfg.criterion_weights.get(name, 1.0))

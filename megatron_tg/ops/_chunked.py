@@ -11,6 +11,13 @@ Memory contract (per rank, Vs = V/TP, c = chunk size, T = rows):
 * ``ChunkedLinearLoss`` (fused, weights known): like ``ChunkedLinear`` but the gradient of
   Σ w_t·value_t is accumulated in forward while the chunk's logits are live; no recompute.
 
+Logits from hidden states are accumulated *and output* in fp32 whatever the input dtype
+(:func:`linear_logits`): a bf16 matmul rounds its output to bf16, ±0.0625 at |z| in [16, 32),
+which is 0.04 nats RMS of pure noise in a per-token log-prob. On CUDA the matmul takes
+``out_dtype=float32`` (bf16 inputs, fp32 accumulation and output); elsewhere the weight
+shard is upcast once per call (one fp32 [Vs, H] copy, the size of the fp32 weight gradient
+backward allocates anyway) and each chunk of hidden states as it is used.
+
 Only the kernels' max/sum all-reduces cross ranks, plus one all-reduce of grad_hidden (in the
 fused backward, or at the end of ``ChunkedLinearLoss.forward``) when the hidden states are
 replicated over the TP group (see :func:`megatron_tg.ops.fused_vocab_parallel_kl`).
@@ -39,6 +46,26 @@ def _gather_saved(parts: list[tuple[torch.Tensor, ...]]) -> tuple:
 
 def _opt_slice(t: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
     return None if t is None else t[a:b]
+
+
+def _mm_out_fp32_supported(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def upcast_weight(w: torch.Tensor) -> torch.Tensor:
+    """The weight as :func:`linear_logits` consumes it: unchanged where the matmul can emit
+    fp32 from low-precision inputs (CUDA), else an fp32 copy (made once per op call)."""
+    if w.dtype == compute_dtype(w.dtype) or _mm_out_fp32_supported(w.device):
+        return w
+    return w.to(compute_dtype(w.dtype))
+
+
+def linear_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``h @ wᵀ`` accumulated and returned in ≥ fp32 (``w`` from :func:`upcast_weight`)."""
+    cdt = torch.promote_types(compute_dtype(h.dtype), w.dtype)
+    if h.dtype == w.dtype != cdt and _mm_out_fp32_supported(h.device):
+        return torch.mm(h, w.t(), out_dtype=cdt)  # bf16/fp16 in, fp32 accumulation and out
+    return h.to(cdt) @ w.to(cdt).t()
 
 
 def _linear_grads(gz: torch.Tensor, h: torch.Tensor, w: torch.Tensor, a: int, b: int,
@@ -107,13 +134,13 @@ class ChunkedLinear(torch.autograd.Function):
                 expert_weight: Optional[torch.Tensor], aux: Optional[torch.Tensor]) -> torch.Tensor:
         cdt = compute_dtype(hidden.dtype)
         n, rows = shard.n_valid, hidden.shape[0]
-        w = weight[:n]  # padded rows of the weight produce padded logits: skip the work
-        we = None if expert_weight is None else expert_weight[:n]
+        w = upcast_weight(weight[:n])  # padded rows produce padded logits: skip the work
+        we = None if expert_weight is None else upcast_weight(expert_weight[:n])
         out = hidden.new_empty(rows, dtype=cdt)
         parts = []
         for a, b in _chunks(rows, chunk):
-            zs = (hidden[a:b] @ w.t()).to(cdt)
-            ze = None if expert_hidden is None else (expert_hidden[a:b] @ we.t()).to(cdt)
+            zs = linear_logits(hidden[a:b], w)
+            ze = None if expert_hidden is None else linear_logits(expert_hidden[a:b], we)
             val, saved = kernel.forward(shard, zs, ze, _opt_slice(aux, a, b))
             out[a:b] = val
             parts.append(saved)
@@ -131,14 +158,15 @@ class ChunkedLinear(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         cdt = compute_dtype(hidden.dtype)
         w = weight[:n]
-        we = None if expert_weight is None else expert_weight[:n]
+        w32 = upcast_weight(w)
+        we = None if expert_weight is None else upcast_weight(expert_weight[:n])
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None
         grad_out = grad_out.to(cdt)
         for a, b in _chunks(hidden.shape[0], ctx.chunk):
             h = hidden[a:b]
-            zs = (h @ w.t()).to(cdt)
-            ze = None if expert_hidden is None else (expert_hidden[a:b] @ we.t()).to(cdt)
+            zs = linear_logits(h, w32)
+            ze = None if expert_hidden is None else linear_logits(expert_hidden[a:b], we)
             gz = kernel.backward(shard, zs, ze, _opt_slice(aux, a, b),
                                  tuple(s[a:b] for s in saved), grad_out[a:b])
             del zs, ze
@@ -171,15 +199,16 @@ class ChunkedLinearLoss(torch.autograd.Function):
         cdt = compute_dtype(hidden.dtype)
         n, rows = shard.n_valid, hidden.shape[0]
         w = weight[:n]
-        we = None if expert_weight is None else expert_weight[:n]
+        w32 = upcast_weight(w)
+        we = None if expert_weight is None else upcast_weight(expert_weight[:n])
         tw = token_weights.to(cdt)
         out = hidden.new_empty(rows, dtype=cdt)
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None
         for a, b in _chunks(rows, chunk):
             h = hidden[a:b]
-            zs = (h @ w.t()).to(cdt)
-            ze = None if expert_hidden is None else (expert_hidden[a:b] @ we.t()).to(cdt)
+            zs = linear_logits(h, w32)
+            ze = None if expert_hidden is None else linear_logits(expert_hidden[a:b], we)
             val, saved = kernel.forward(shard, zs, ze, None)
             out[a:b] = val
             if need_h or need_w:

@@ -64,7 +64,7 @@ class VocabShard:
     def _all_reduce(self, t: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         if self.world == 1:
             return t
-        # gloo silently returns wrong data for non-contiguous tensors (FACTS.md).
+        # gloo silently returns wrong data for non-contiguous tensors (docs/measurements.md).
         t = t.contiguous()
         dist.all_reduce(t, op=op, group=self.group)
         return t

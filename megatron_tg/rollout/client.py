@@ -22,7 +22,24 @@ What it guarantees for ``generate``:
   is a normal result with the tokens generated so far, not an error: the caller decides
   whether to resubmit (partial rollouts).
 
-Admin calls (pause/continue/flush/weight updates) are broadcast to every server.
+Routers. A generation URL that is not among ``admin_urls`` is an sglang-router. The
+router forwards ``/generate`` (keeping ``rid``) but answers 404 to ``/abort_request``,
+``/pause_generation``, ``/continue_generation``, the weight-update endpoints and
+``/server_info`` (sglang-router 0.3.2, tests/rollout/test_router.py). So an attempt sent
+through a router is aborted on every worker behind it (the router's ``GET /workers``
+list plus ``admin_urls``): SGLang ignores an abort for a rid it does not hold, and the
+router does not say which worker holds one. An abort answered with an HTTP error (a 404
+from a router, say) is an error, never a silent success: :meth:`abort` raises, and the
+aborts the client sends on its own (hedge losers, timed-out attempts) are logged and
+counted in ``stats.abort_failures``.
+
+Health. SGLang >= 0.5.21 answers ``/health`` by generating one token, so while paused it
+waits about 20 s and answers 503. While this client has the servers paused it checks
+liveness with ``/model_info`` instead (no generation), so a paused engine is never taken
+for a dead one.
+
+Admin calls (pause/continue/flush/weight updates) are broadcast to every server; the
+weight-update protocol SGLang accepts is in :mod:`megatron_tg.rollout.weight_client`.
 """
 
 from __future__ import annotations
@@ -36,6 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import aiohttp
+
+from .weight_client import TrainerWeightGroup, WeightUpdateCalls  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +98,7 @@ class GenerateResult:
 @dataclass
 class ServerState:
     url: str
+    router: bool = False  # an sglang-router: aborts go to the workers behind it
     healthy: bool = True
     in_flight: int = 0
     consecutive_failures: int = 0
@@ -97,15 +117,7 @@ class ClientStats:
     resubmitted: int = 0  # attempts beyond the first (failover, retry or hedge)
     hedged: int = 0
     duplicates_discarded: int = 0  # answers that arrived for an already answered rid
-
-
-@dataclass
-class TrainerWeightGroup:
-    """Trainer-side handle of a gloo weight-update group (rank 0)."""
-
-    group: Any  # megatron_tg.rollout.engine.weights.WeightUpdateGroup
-    group_name: str
-    servers: list[str]
+    abort_failures: int = 0  # client-sent aborts a server answered with an error (logged)
 
 
 class _Logical:
@@ -116,7 +128,7 @@ class _Logical:
         self.live: dict[asyncio.Task, tuple[ServerState, str]] = {}
 
 
-class SGLangClient:
+class SGLangClient(WeightUpdateCalls):
     def __init__(
         self,
         urls: Sequence[str],
@@ -133,10 +145,12 @@ class SGLangClient:
     ):
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
-        self.servers = [ServerState(u.rstrip("/")) for u in urls]
         # Where admin calls (pause, weight updates) go. Default: the generation URLs. With
-        # an sglang-router, generate through the router and pass the workers here.
-        self.admin_urls = [u.rstrip("/") for u in admin_urls] if admin_urls else [s.url for s in self.servers]
+        # an sglang-router, generate through the router and pass the workers here: every
+        # generation URL not among them is then a router.
+        gen = [u.rstrip("/") for u in urls]
+        self.admin_urls = [u.rstrip("/") for u in admin_urls] if admin_urls else list(gen)
+        self.servers = [ServerState(u, router=u not in self.admin_urls) for u in gen]
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -147,11 +161,16 @@ class SGLangClient:
         self.admin_timeout_s = admin_timeout_s
         self.stats = ClientStats()
         self.expected_weight_version: str | None = None
+        self._engine_infos: dict = {}  # url -> EngineInfo, read once (weight_client)
         self._rr = itertools.count()
         self._active: dict[str, _Logical] = {}
         self._background: set[asyncio.Task] = set()
         self._probing: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
+        # Set from the moment a pause is sent until generation is continued: SGLang's
+        # /health answers 503 then, which must not read as "dead".
+        self.paused = False
+        self._router_workers: dict[str, tuple[float, list[str]]] = {}  # router -> (time, worker URLs)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> "SGLangClient":
@@ -210,12 +229,15 @@ class SGLangClient:
     async def _probe_url(self, url: str) -> bool:
         try:
             timeout = aiohttp.ClientTimeout(total=max(2.0, self.connect_timeout_s))
+            if self.paused:
+                # /health would generate and answer 503 after its own 20 s budget; a paused
+                # server that answers /model_info is alive (and gets traffic once continued).
+                return (await self._model_info(url, timeout)) is not None
             async with self._http().get(f"{url}/health", timeout=timeout) as r:
                 if r.status != 200:
                     return False
             if self.expected_weight_version is not None and url in self.admin_urls:
-                async with self._http().get(f"{url}/get_model_info", timeout=timeout) as r:
-                    version = (await r.json(content_type=None)).get("weight_version")
+                version = (await self._model_info(url, timeout) or {}).get("weight_version")
                 if str(version) != self.expected_weight_version:
                     log.warning("%s is up but at weight version %s (expected %s); kept out of rotation",
                                 url, version, self.expected_weight_version)
@@ -223,6 +245,19 @@ class SGLangClient:
             return True
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return False
+
+    async def _model_info(self, url: str, timeout: aiohttp.ClientTimeout) -> dict[str, Any] | None:
+        """GET /model_info (SGLang's current name), else the deprecated /get_model_info
+        (older SGLang; the sglang-router proxies only that one). None when neither answers 200."""
+        for path in ("/model_info", "/get_model_info"):
+            async with self._http().get(f"{url}{path}", timeout=timeout) as r:
+                if r.status == 404:
+                    continue
+                if r.status != 200:
+                    return None
+                data = await r.json(content_type=None)
+                return data if isinstance(data, dict) else None
+        return None
 
     async def _probe(self, s: ServerState) -> bool:
         self._probing.add(s.url)
@@ -284,12 +319,21 @@ class SGLangClient:
             self._orphan(rec)
 
     async def abort(self, rid: str) -> None:
-        """Abort a logical request: its attempts return finish_reason abort."""
+        """Abort a logical request: its attempts return finish_reason abort.
+
+        Raises :class:`SGLangClientError` when a server (or a worker behind a router)
+        answers the abort with an HTTP error: the attempt may still be generating.
+        """
         rec = self._active.get(rid)
         if rec is None:
             return
         rec.aborted = True
-        await asyncio.gather(*(self._abort_on(s, srid) for s, srid in rec.live.values()), return_exceptions=True)
+        results = await asyncio.gather(*(self._abort_on(s, srid) for s, srid in rec.live.values()),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise SGLangClientError(f"abort of request {rid} failed: " + "; ".join(map(str, errors)), rid,
+                                    [("<abort>", e) for e in errors])
 
     async def _run(self, rec: _Logical, payload: dict[str, Any]) -> GenerateResult:
         errors: list[tuple[str, BaseException]] = []
@@ -356,13 +400,13 @@ class SGLangClient:
         task = asyncio.ensure_future(self._attempt(server, rec.rid, srid, payload))
         rec.live[task] = (server, srid)
         if rec.aborted:  # abort() raced with a resubmission
-            self._spawn(self._abort_on(server, srid))
+            self._spawn(self._abort_logged(server, srid))
 
     def _orphan(self, rec: _Logical) -> None:
         """Attempts still running after the request was answered (or failed): abort them
         on their servers; an answer that still arrives is a discarded duplicate."""
         for task, (server, srid) in list(rec.live.items()):
-            self._spawn(self._abort_on(server, srid))
+            self._spawn(self._abort_logged(server, srid))
 
             def done(t: asyncio.Task) -> None:
                 if not t.cancelled() and t.exception() is None:
@@ -388,7 +432,7 @@ class SGLangClient:
                 data = _loads(body)
         except asyncio.TimeoutError as exc:
             self._failed(s, exc, hard=False)
-            self._spawn(self._abort_on(s, srid))  # it may still be generating
+            self._spawn(self._abort_logged(s, srid))  # it may still be generating
             raise TimeoutError(f"no answer from {s.url} within {self.timeout_s}s") from exc
         except aiohttp.ClientConnectorError as exc:  # refused / unreachable: the server is down
             self._failed(s, exc, hard=True)
@@ -418,12 +462,54 @@ class SGLangClient:
         )
 
     async def _abort_on(self, s: ServerState, srid: str) -> None:
+        """Abort attempt ``srid`` where it runs: on ``s``, or on every worker behind the
+        router ``s``. A refused connection is fine (a dead server has nothing left to
+        abort); an HTTP error is raised, naming the URL."""
+        urls = await self._workers_behind(s.url) if s.router else [s.url]
+        results = await asyncio.gather(*(self._abort_url(u, srid) for u in urls), return_exceptions=True)
+        errors = [f"{u}: {e}" for u, e in zip(urls, results) if isinstance(e, BaseException)]
+        if errors:
+            raise SGLangClientError(f"abort of attempt {srid} failed on " + "; ".join(errors), srid)
+
+    async def _abort_url(self, url: str, srid: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(2.0, self.connect_timeout_s))
         try:
-            timeout = aiohttp.ClientTimeout(total=max(2.0, self.connect_timeout_s))
-            async with self._http().post(f"{s.url}/abort_request", json={"rid": srid}, timeout=timeout) as r:
-                await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            pass  # best effort: a dead server has nothing left to abort
+            async with self._http().post(f"{url}/abort_request", json={"rid": srid}, timeout=timeout) as r:
+                body = await r.text()
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError):
+            return  # down: nothing running there
+        if r.status >= 400:
+            hint = (" (an sglang-router? It does not serve /abort_request: generate through it with "
+                    "its workers as admin_urls / rollout.server_urls)" if r.status == 404 else "")
+            raise SGLangClientError(f"POST {url}/abort_request -> HTTP {r.status}: {body[:300]}{hint}", srid)
+
+    async def _abort_logged(self, s: ServerState, srid: str) -> None:
+        """An abort nobody awaits (hedge loser, timed-out attempt): failures are logged and
+        counted, since that attempt may keep generating."""
+        try:
+            await self._abort_on(s, srid)
+        except (SGLangClientError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self.stats.abort_failures += 1
+            log.error("%s", exc)
+
+    async def _workers_behind(self, router: str) -> list[str]:
+        """The router's workers (``GET /workers``, cached for ``probe_interval_s``) plus
+        ``admin_urls``: the router may know workers added after this client started."""
+        now = time.monotonic()
+        cached = self._router_workers.get(router)
+        if cached is None or now - cached[0] > self.probe_interval_s:
+            found: list[str] = []
+            try:
+                timeout = aiohttp.ClientTimeout(total=max(2.0, self.connect_timeout_s))
+                async with self._http().get(f"{router}/workers", timeout=timeout) as r:
+                    if r.status == 200:
+                        data = await r.json(content_type=None)
+                        found = [str(w["url"]).rstrip("/") for w in data.get("workers", []) if w.get("url")]
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, AttributeError) as exc:
+                log.warning("cannot list the workers of router %s (%r); aborting on admin_urls only", router, exc)
+            cached = (now, found)
+            self._router_workers[router] = cached
+        return list(dict.fromkeys([*cached[1], *(u for u in self.admin_urls if u != router)]))
 
     def _give_up(self, rid: str, attempts: int, errors: list[tuple[str, BaseException]]) -> SGLangClientError:
         detail = "; ".join(f"{url}: {type(e).__name__}: {e}" for url, e in errors[-8:])
@@ -435,7 +521,9 @@ class SGLangClient:
         async with self._http().request(method, f"{url}{path}", json=body, timeout=timeout) as r:
             text = await r.text()
             if r.status >= 400:
-                raise SGLangClientError(f"{method} {url}{path} -> HTTP {r.status}: {text[:1000]}")
+                hint = (" (not served there; an sglang-router answers 404 to admin calls: send them to its "
+                        "workers, admin_urls / rollout.server_urls)" if r.status == 404 else "")
+                raise SGLangClientError(f"{method} {url}{path} -> HTTP {r.status}: {text[:1000]}{hint}")
             try:
                 return _loads(text) if text else None
             except ValueError:  # some endpoints (/flush_cache) answer plain text
@@ -450,8 +538,11 @@ class SGLangClient:
         Returns {url: reply} for the servers that succeeded. Servers that fail are marked
         unhealthy; raises if none succeeded, or if any failed and ``strict``.
         """
+        return await self._each(f"{method} {path}", lambda u: self._call(u, method, path, body), servers, strict)
+
+    async def _each(self, what: str, call, servers: Iterable[str] | None, strict: bool) -> dict[str, Any]:
         urls = list(servers) if servers is not None else list(self.admin_urls)
-        replies = await asyncio.gather(*(self._call(u, method, path, body) for u in urls), return_exceptions=True)
+        replies = await asyncio.gather(*(call(u) for u in urls), return_exceptions=True)
         ok, errors = {}, []
         for url, rep in zip(urls, replies):
             if isinstance(rep, BaseException):
@@ -463,10 +554,10 @@ class SGLangClient:
                 ok[url] = rep
         if errors and (strict or not ok):
             detail = "; ".join(f"{u}: {type(e).__name__}: {e}" for u, e in errors)
-            raise SGLangClientError(f"{method} {path} failed on {len(errors)}/{len(urls)} servers: {detail}",
+            raise SGLangClientError(f"{what} failed on {len(errors)}/{len(urls)} servers: {detail}",
                                     errors=errors)
         for url, e in errors:
-            log.warning("%s %s failed on %s: %r", method, path, url, e)
+            log.warning("%s failed on %s: %r", what, url, e)
         return ok
 
     async def health(self) -> dict[str, bool]:
@@ -476,8 +567,18 @@ class SGLangClient:
     async def health_generate(self, **kw) -> dict[str, Any]:
         return await self.broadcast("GET", "/health_generate", **kw)
 
-    async def get_model_info(self, **kw) -> dict[str, Any]:
-        return await self.broadcast("GET", "/get_model_info", **kw)
+    async def get_model_info(self, servers: Iterable[str] | None = None, strict: bool = False) -> dict[str, Any]:
+        """``/model_info`` of every server; ``/get_model_info`` (deprecated in SGLang) where
+        a server answers 404 to the new name (older SGLang, the sglang-router)."""
+        async def one(url: str) -> Any:
+            try:
+                return await self._call(url, "GET", "/model_info")
+            except SGLangClientError as exc:
+                if "HTTP 404" not in str(exc):
+                    raise
+                return await self._call(url, "GET", "/get_model_info")
+
+        return await self._each("GET /model_info", one, servers, strict)
 
     async def get_server_info(self, **kw) -> dict[str, Any]:
         return await self.broadcast("GET", "/get_server_info", **kw)
@@ -489,10 +590,13 @@ class SGLangClient:
         return await self.broadcast("POST", "/flush_cache", **kw)
 
     async def pause_generation(self, mode: str = "abort", **kw) -> dict[str, Any]:
+        self.paused = True  # before sending: a probe racing the pause must not see "dead"
         return await self.broadcast("POST", "/pause_generation", {"mode": mode}, **kw)
 
     async def continue_generation(self, **kw) -> dict[str, Any]:
-        return await self.broadcast("POST", "/continue_generation", {}, **kw)
+        ok = await self.broadcast("POST", "/continue_generation", {}, **kw)
+        self.paused = False
+        return ok
 
     async def abort_request(self, rid: str = "", abort_all: bool = False, **kw) -> dict[str, Any]:
         """Raw server-side abort by rid prefix (see :meth:`abort` for logical requests)."""
@@ -529,64 +633,6 @@ class SGLangClient:
         ok = await self.broadcast("POST", "/update_weights_from_tensor", body)
         await self._after_weight_update(ok, weight_version)
         return ok
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        group_name: str = "weight_update_group",
-        backend: str = "gloo",
-        servers: Sequence[str] | None = None,
-    ) -> TrainerWeightGroup:
-        """Create the trainer(rank 0)-to-engines group; engine i gets rank_offset 1+i."""
-        from .engine.weights import create_weight_update_group
-
-        urls = list(servers) if servers is not None else list(self.admin_urls)
-        world = 1 + len(urls)
-        posts = [
-            self._call(u, "POST", "/init_weights_update_group",
-                       {"master_address": master_address, "master_port": master_port, "rank_offset": 1 + i,
-                        "world_size": world, "group_name": group_name, "backend": backend})
-            for i, u in enumerate(urls)
-        ]
-        mine = asyncio.to_thread(create_weight_update_group, master_address, master_port, 0, world, group_name, backend)
-        results = await asyncio.gather(mine, *posts, return_exceptions=True)
-        errors = [(u, r) for u, r in zip(["<trainer>"] + urls, results) if isinstance(r, BaseException)]
-        if errors:
-            raise SGLangClientError(f"init_weights_update_group failed: {errors}", errors=errors)
-        return TrainerWeightGroup(results[0], group_name, urls)
-
-    async def update_weights_from_distributed(
-        self,
-        group: TrainerWeightGroup,
-        named_tensors: Sequence[tuple[str, Any]],
-        weight_version: str | None = None,
-        load_format: str | None = None,
-        flush_cache: bool = True,
-    ) -> dict[str, Any]:
-        """Broadcast tensors to every engine in ``group`` while their HTTP calls are open."""
-        from .engine.weights import describe, send_broadcast
-
-        body = {**describe(named_tensors), "group_name": group.group_name, "flush_cache": flush_cache}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        if load_format is not None:
-            body["load_format"] = load_format
-        posts = [asyncio.ensure_future(self._call(u, "POST", "/update_weights_from_distributed", body))
-                 for u in group.servers]
-        sent = asyncio.to_thread(send_broadcast, group.group, named_tensors, load_format)
-        results = await asyncio.gather(sent, *posts, return_exceptions=True)
-        errors = [(u, r) for u, r in zip(["<trainer>"] + group.servers, results) if isinstance(r, BaseException)]
-        if errors:
-            raise SGLangClientError(f"update_weights_from_distributed failed: {errors}", errors=errors)
-        ok = dict(zip(group.servers, results[1:]))
-        await self._after_weight_update(ok, weight_version)
-        return ok
-
-    async def destroy_weights_update_group(self, group: TrainerWeightGroup) -> None:
-        await self.broadcast("POST", "/destroy_weights_update_group", {"group_name": group.group_name},
-                             servers=group.servers)
-        group.group.close()
 
 
 def _loads(text: str) -> Any:

@@ -47,6 +47,8 @@ class TrainSample:
     advantage: float
     feedback_by_turn: dict[int, str] = field(default_factory=dict)
     """Assistant-turn index -> feedback text: the turns that get an expert (and a KL gate)."""
+    reward: float | None = None
+    """The scalar reward the advantage was computed from (for the per-sample records)."""
 
 
 @dataclass
@@ -123,6 +125,7 @@ class MicroBatch:
     loss_mask: torch.Tensor           # [N] bool (all True here: rows are selected by it)
     rollout_index: torch.Tensor       # [N] in [0, R)
     gate: torch.Tensor                # [N] float
+    turn_index: torch.Tensor          # [N] assistant turn of the predicted token
     advantages: torch.Tensor          # [R]
     expert: PackedRows | None         # None when nothing is gated
     expert_rows: torch.Tensor         # [G] flat expert rows, aligned with gate.nonzero()
@@ -191,7 +194,7 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
     # Gated rows in increasing flat order; their expert rows in the same order.
     order = torch.argsort(rows_t)
     rows_t = rows_t[order]
-    fields = [torch.tensor(x)[order] for x in (targets, behaviour, rindex)]
+    fields = [torch.tensor(x)[order] for x in (targets, behaviour, rindex, turnref)]
     gate = gate[order]
     expert = None
     if expert_seqs:
@@ -209,7 +212,7 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
     return MicroBatch(
         student=student, rows=rows_t, target_ids=fields[0].long(),
         behaviour_logprobs=fields[1].float(), loss_mask=loss_mask, rollout_index=fields[2].long(),
-        gate=gate, advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        gate=gate, turn_index=fields[3].long(), advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         expert=expert, expert_rows=torch.tensor(expert_rows, dtype=torch.long),
         num_rollouts=len(samples), num_tokens=sum(len(s.rollout.token_ids) for s in samples),
         expert_prefix=plan)

@@ -3,7 +3,8 @@
 Layout of ``ROOT``::
 
     ROOT/latest                  name of the newest complete checkpoint (replaced atomically)
-    ROOT/step_00000040/dist/     torch_dist checkpoint of {"model", "optimizer"} (resharding)
+    ROOT/step_00000040/dist/     torch_dist checkpoint of {"model", "optimizer"} and, with a
+                                 frozen/EMA expert, "expert" (resharding; the EMA in fp32)
     ROOT/step_00000040/trainer_state.pt   step, rollout-manager state, objective state, config
     ROOT/step_00000040/rng/rank_00003.pt  every rank's RNG streams (CPU, CUDA, megatron tracker)
     ROOT/step_00000040/COMPLETE  written last, before the rename
@@ -15,6 +16,7 @@ temporary directories are removed on the next save. The newest ``keep_last`` are
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_tg.train.ema import ShardedEMA
 from megatron_tg.train.policy import unwrap
 from megatron_tg.train.signals import ignore_stop_signals
 
@@ -85,6 +88,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _with_data(sharded: dict[str, Any], tensors: dict[str, torch.Tensor],
+               prefix: str) -> dict[str, Any]:
+    """``sharded`` with the data of each entry named in ``tensors`` replaced (same shape and
+    sharding, the given dtype)."""
+    out = dict(sharded)
+    for name, t in tensors.items():
+        sh = out[prefix + name]
+        fields = {f.name for f in dataclasses.fields(sh)}
+        out[prefix + name] = dataclasses.replace(
+            sh, data=t, **({"dtype": t.dtype} if "dtype" in fields else {}))
+    return out
+
+
 class Checkpointer:
     def __init__(self, root: str | os.PathLike, keep_last: int = 3) -> None:
         if keep_last < 1:
@@ -103,15 +119,17 @@ class Checkpointer:
         return path
 
     @staticmethod
-    def _sharded(model, optimizer, expert=None) -> dict[str, Any]:
+    def _sharded(model, optimizer, expert=None, ema: ShardedEMA | None = None) -> dict[str, Any]:
         model_sd = unwrap(model).sharded_state_dict()
         out = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
         if expert is not None:  # frozen/EMA expert weights, sharded like the policy's
             out["expert"] = expert.sharded_state_dict(prefix="expert.")
+            if ema is not None:  # the fp32 average, not its bf16 cast
+                out["expert"] = _with_data(out["expert"], ema.full_state(), "expert.")
         return out
 
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any],
-             expert=None) -> Path:
+             expert=None, ema: ShardedEMA | None = None) -> Path:
         """Collective: every rank calls it. Returns the final directory."""
         from megatron.core import dist_checkpointing
 
@@ -124,7 +142,7 @@ class Checkpointer:
             (tmp / "rng").mkdir()
         _barrier()
         _signal_proof_writer_queue()
-        dist_checkpointing.save(self._sharded(model, optimizer, expert), str(tmp / "dist"))
+        dist_checkpointing.save(self._sharded(model, optimizer, expert, ema), str(tmp / "dist"))
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
         if _rank() == 0:
             torch.save({"step": step, **trainer_state}, tmp / "trainer_state.pt")
@@ -147,15 +165,21 @@ class Checkpointer:
         for old in done[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, model, optimizer, expert=None) -> dict[str, Any]:
+    def load(self, path: Path, model, optimizer, expert=None,
+             ema: ShardedEMA | None = None) -> dict[str, Any]:
         """Collective: restore model, optimizer (and expert) and this rank's RNG; return the
         trainer state."""
         from megatron.core import dist_checkpointing
 
-        state = dist_checkpointing.load(self._sharded(model, optimizer, expert), str(path / "dist"))
+        state = dist_checkpointing.load(self._sharded(model, optimizer, expert, ema),
+                                        str(path / "dist"))
         unwrap(model).load_state_dict(state["model"])
         if expert is not None:  # keys carry the "expert." prefix the save gave them
-            expert.load_state_dict({k.removeprefix("expert."): v for k, v in state["expert"].items()})
+            loaded = {k.removeprefix("expert."): v for k, v in state["expert"].items()}
+            if ema is not None:
+                ema.load_full_state(loaded)
+            else:
+                expert.load_state_dict(loaded)
         optimizer.load_state_dict(state["optimizer"])
         rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
         if rng_file.exists():  # absent when resuming at a different world size

@@ -8,6 +8,7 @@ process per GPU (torchrun locally, srun on Slurm); a plain ``python`` is a world
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -37,11 +38,18 @@ def default_rollout_side(trainer):
                                             max_concurrency=j.max_concurrency,
                                             max_transcript_chars=j.max_transcript_chars,
                                             overflow_retries=j.overflow_retries))
-    tasks = load_tasks(cfg.rollout.tasks) if cfg.rollout.tasks else builtin_tasks()
+    tasks = load_tasks(cfg.rollout.tasks, repos_root=cfg.rollout.repos_root) if cfg.rollout.tasks else builtin_tasks()
     harness = AgentHarness(trainer.tokenizer, cfg.rollout)
     return RolloutSide(cfg, trainer.tokenizer, harness, tasks, rubric,
                        engine_model_dir=cfg.model.hf_checkpoint, log_dir=cfg.logging.run_dir,
                        version=0, llm=llm)  # engines start on the base weights: version 0
+
+
+def check_task_file(path: str | None) -> None:
+    """Refuse a missing task file before any model is built (minutes on a cluster)."""
+    if path is not None and not os.path.isfile(path):
+        raise SystemExit(f"rollout.tasks: task file {os.path.abspath(path)} does not exist "
+                         "(the README's agent section says how to build one)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_tg.train.loop import run as run_loop
 
     cfg = load_config(args.recipe, list(args.overrides))
+    check_task_file(cfg.rollout.tasks)
     from megatron_tg.parallel.state import LaunchEnv
 
     if LaunchEnv.from_env().rank == 0:  # the one reading of torchrun / srun ranks

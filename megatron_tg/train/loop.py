@@ -24,9 +24,10 @@ from megatron_tg.config.schema import TGConfig
 from megatron_tg.parallel.ports import free_port
 from megatron_tg.train.manifest import write_manifest
 from megatron_tg.train.metrics import MetricsLogger
+from megatron_tg.train.samples import SampleRecorder
 from megatron_tg.train.scatter import scatter_by_tokens
 from megatron_tg.train.trainer import Trainer
-from megatron_tg.train.weight_sync import push_weights
+from megatron_tg.train.weight_sync import SyncChecks, probe_engines, push_weights, verify_coverage
 
 EXIT_DONE, EXIT_REQUEUE = 0, 75  # 75 = EX_TEMPFAIL: "try again", the Slurm scripts' contract
 
@@ -49,28 +50,48 @@ class StopFlag:
         return self.requested
 
 
-def sync_weights(trainer: Trainer, side, *, restart: bool = False) -> dict[str, float]:
-    """Collective: the trainer's weights -> every engine, as policy version ``trainer.step``.
+def sync_weights(trainer: Trainer, side, checks: SyncChecks, *, restart: bool = False) -> dict[str, float]:
+    """Collective: the trainer's weights -> every engine, as policy version ``trainer.step``,
+    then the checks that prove the engines serve them (protocol: train/weight_sync.py).
 
     ``restart``: engines just started on the base weights while the manager (restored from
     the checkpoint) already counts ``trainer.step``; nothing is generating yet, so the push
     goes straight to the engines without a version bump."""
-    args = (trainer.model, trainer.arch, trainer.ctx)
-    if side is None:  # not rank 0: take part in the gathers only
-        return asyncio.run(push_weights(None, None, *args, version=trainer.step)).as_metrics()
-    if side.weight_group is None:
-        host = side.cfg.rollout.sync_master_address or (
-            "127.0.0.1" if side.engines else socket.gethostname())
-        side.weight_group = side.call(side.client.init_weights_update_group(
-            host, free_port(), group_name="tg-weights"))
-    def push():  # the manager pauses the engines around it and sets their version
-        return push_weights(side.client, side.weight_group, *args, version=trainer.step,
-                            bucket_bytes=side.cfg.rollout.sync_bucket_mb << 20)
+    r, checks.syncs = trainer.cfg.rollout, checks.syncs + 1
+    client, group = (None, None) if side is None else (side.client, _weight_group(side))
 
-    if restart:
-        return side.call(push()).as_metrics()
-    stats = side.call(side.manager.update_weights(push, version=trainer.step))
-    return stats.as_metrics()
+    async def push():
+        return await push_weights(client, group, trainer.model, trainer.arch, trainer.ctx,
+                                  version=trainer.step, bucket_bytes=r.sync_bucket_mb << 20,
+                                  flush=r.pause_mode != "in_place")
+
+    async def push_and_verify():  # the manager pauses the engines around it, sets the version
+        stats = await push()
+        if checks.coverage_due():  # all ranks agree: the second push is collective too
+            await (verify_coverage(client, group, push) if client else push())
+        return stats
+
+    if side is None:
+        stats = asyncio.run(push_and_verify())
+    elif restart:
+        stats = side.call(push_and_verify())
+    else:
+        stats = side.call(side.manager.update_weights(push_and_verify, version=trainer.step))
+    metrics = stats.as_metrics()
+    if checks.probe_due():
+        metrics.update(probe_engines(trainer, None if side is None else side.call, client, checks))
+    return metrics
+
+
+def _weight_group(side):
+    if side.weight_group is None:
+        r = side.cfg.rollout
+        host = r.sync_master_address or ("127.0.0.1" if side.engines else socket.gethostname())
+        backend = r.sync_backend if r.sync_backend != "auto" else (
+            "nccl" if r.engine == "sglang" and torch.cuda.is_available() else "gloo")
+        side.weight_group = side.call(side.client.init_weights_update_group(
+            host, free_port(), group_name="tg-weights", backend=backend))
+    return side.weight_group
 
 
 def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
@@ -84,14 +105,17 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
     side = make_rollout_side(trainer) if rank0 else None
     if side is not None and "rollouts" in state:
         side.load_state_dict(state["rollouts"])
+    checks = SyncChecks.from_config(cfg.rollout)
     if trainer.step > 0:  # the engines serve the base weights: bring them to the checkpoint's
-        sync_weights(trainer, side, restart=True)
+        sync_weights(trainer, side, checks, restart=True)
     if rank0:  # what produced this run, appended at every start (train/manifest.py)
         write_manifest(cfg.logging.run_dir, cfg, step=trainer.step, **side.identity())
     _say(rank0, f"resumed from checkpoint step {trainer.step} of {cfg.steps}" if trainer.step
          else f"starting at step 0 of {cfg.steps}")
     log = MetricsLogger(cfg.logging, cfg.logging.run_dir, enabled=rank0,
                         total_steps=cfg.steps, start_step=trainer.step)
+    records = SampleRecorder(cfg.logging, cfg.logging.run_dir, enabled=rank0,
+                             start_step=trainer.step, tokenizer=trainer.tokenizer)
     code = EXIT_DONE
     try:
         while trainer.step < cfg.steps:
@@ -101,7 +125,7 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
             t1 = time.perf_counter()
             metrics.update(trainer.train_step(samples))                          # GRPO + gated KL
             t2 = time.perf_counter()
-            metrics.update(sync_weights(trainer, side))                          # -> engines
+            metrics.update(sync_weights(trainer, side, checks))                   # -> engines
             if rank0:
                 metrics.update(side.probe_metrics(trainer.step))
             tokens = sum(len(s.rollout.token_ids) for s in samples) * trainer.ctx.dims.dp
@@ -109,6 +133,8 @@ def run(cfg: TGConfig, *, make_rollout_side: Callable[[Trainer], Any]) -> int:
                             "time/step": time.perf_counter() - t0,
                             "throughput/train_tokens_per_s": tokens / max(t2 - t1, 1e-9)})
             log.log(trainer.step, metrics)
+            if rank0:
+                records.write(trainer.step, side.last_judged, batch[0], trainer.turn_stats)
             stopping = stop.agreed()
             if stopping or trainer.step % cfg.checkpoint.interval == 0 or trainer.step == cfg.steps:
                 trainer.save({"rollouts": side.state_dict() if rank0 else None})  # checkpoint

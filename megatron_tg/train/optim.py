@@ -9,8 +9,15 @@ global-norm clipping rule megatron applies:
     ||g||² = Σ_dense ||g_p||² (TP duplicates counted once, summed over TP x PP)
            + Σ_expert ||g_p||² (summed over the expert-model-parallel ranks: ETP x EP x PP)
 
+With bf16 (or fp16) parameters it keeps fp32 master copies and steps those, then rounds
+them into the model, as megatron's ``Float16OptimizerWithFloat16Params`` does: Adam on bf16
+weights would lose any update smaller than half their spacing (at lr 3e-6, nearly all).
+Both optimizers expose their fp32 main parameters as :class:`~megatron_tg.train.ema.MainShard`
+ranges (``main_shards``), which the EMA expert averages.
+
 Its checkpoint is sharded like the parameters it belongs to (megatron's
-``optim_state_to_sharding_state``), so it reshards on load exactly like the model.
+``optim_state_to_sharding_state``), so it reshards on load exactly like the model; the fp32
+masters are saved with it (``master_param``), so a resumed bf16 run loses nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_tg.train.ema import MainShard, equal_ranges
+
 
 def _is_expert(p: torch.nn.Parameter) -> bool:
     # megatron marks expert weights allreduce=False when EP > 1 (see ParallelDims' etp rule).
@@ -30,6 +39,15 @@ def _is_expert(p: torch.nn.Parameter) -> bool:
 def _counts_once(p: torch.nn.Parameter, tp_rank: int) -> bool:
     """A TP-replicated parameter (norms, router) contributes from TP rank 0 only."""
     return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def _dp_group(p: torch.nn.Parameter):
+    """The ranks over which ``p``'s gradient is averaged: its main copy's sharding group."""
+    from megatron.core import parallel_state as mps
+
+    if _is_expert(p):
+        return mps.get_expert_data_parallel_group()
+    return mps.get_data_parallel_group(with_context_parallel=True)
 
 
 @torch.no_grad()
@@ -63,9 +81,23 @@ class CPUAdamW:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_clip = grad_clip
-        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps,
+        # fp32 masters for low-precision parameters (fp32 parameters are their own).
+        self.main = [p if p.dtype == torch.float32 else p.detach().float().clone()
+                     for p in self.params]
+        self.opt = torch.optim.AdamW(self.main, lr=lr, betas=betas, eps=eps,
                                      weight_decay=weight_decay)
         self.num_steps = 0
+
+    def main_shards(self) -> list[MainShard]:
+        """Equal contiguous ranges of each fp32 master over its DP group (see
+        :mod:`megatron_tg.train.ema`): the layout megatron's distributed optimizer would give."""
+        out = []
+        for p, m in zip(self.params, self.main):
+            group = _dp_group(p) if dist.is_initialized() else None
+            rank, size = (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
+            a, b = equal_ranges(p.numel(), rank, size)
+            out.append(MainShard(param=p, main=m.detach().view(-1)[a:b], start=a, group=group))
+        return out
 
     @property
     def lr(self) -> float:
@@ -93,13 +125,15 @@ class CPUAdamW:
             self.zero_grad()
             return {"grad_norm": norm, "skipped": 1.0}
         scale = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
-        for p in self.params:
+        for p, m in zip(self.params, self.main):
             g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-            p.grad = (g * scale).to(p.dtype) if g is not None else None
+            m.grad = (g * scale).to(m.dtype) if g is not None else None
         self.opt.step()
         self.num_steps += 1
-        for p in self.params:
-            p.grad = None
+        for p, m in zip(self.params, self.main):
+            m.grad = None
+            if m is not p:
+                p.copy_(m)  # round the updated master into the model's dtype
         return {"grad_norm": norm, "skipped": 0.0}
 
     def _init_state(self) -> None:
@@ -124,15 +158,25 @@ class CPUAdamW:
         steps = {int(s["step"]) for s in state["state"].values()}
         state["common_step"] = max(steps) if steps else 0
         state["num_steps"] = self.num_steps
+        for i, (p, m) in enumerate(zip(self.params, self.main)):
+            if m is not p:  # sharded like the parameter, with the Adam moments
+                state["state"][i]["master_param"] = m.detach()
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
         optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
         return state
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         step = state.pop("common_step")
         self.num_steps = int(state.pop("num_steps"))
-        for param_state in state["state"].values():
+        for i, param_state in state["state"].items():
             param_state["step"] = torch.tensor(float(step))
+            master = param_state.pop("master_param", None)
+            m, p = self.main[int(i)], self.params[int(i)]
+            if m is not p:
+                # Without a saved master (a checkpoint of an fp32 run) the model's weight,
+                # already loaded, is the best one left.
+                m.copy_(master if master is not None else p)
         self.opt.load_state_dict(state)
 
 
@@ -169,6 +213,36 @@ class MegatronOptimizer:
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.opt.zero_grad()
+
+    def main_shards(self) -> list[MainShard]:
+        """The fp32 main parameters as megatron holds them: with the distributed optimizer,
+        each DP rank's range of every parameter (``_get_model_param_range_map``) and its
+        main shard (``_get_main_param_and_optimizer_states``) over the optimizer's
+        ``data_parallel_group``; otherwise whole masters, split equally like CPUAdamW's."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        out: list[MainShard] = []
+        for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+            if isinstance(opt, DistributedOptimizer):
+                for p in opt.model_param_group_index_map:
+                    r = opt._get_model_param_range_map(p)["param"]
+                    main = opt._get_main_param_and_optimizer_states(p)["param"]
+                    out.append(MainShard(param=p, main=main.view(-1), start=r.start,
+                                         group=opt.data_parallel_group))
+                continue
+            if hasattr(opt, "float16_groups"):  # Float16OptimizerWithFloat16Params
+                pairs = list(zip(opt.float16_groups, opt.fp32_from_float16_groups))
+                pairs += [(g, g) for g in opt.fp32_from_fp32_groups]
+            else:  # FP32Optimizer: the parameters are the main copies
+                pairs = [(g["params"], g["params"]) for g in opt.param_groups]
+            for params, mains in pairs:
+                for p, m in zip(params, mains):
+                    group = _dp_group(p)
+                    a, b = equal_ranges(p.numel(), dist.get_rank(group),
+                                        dist.get_world_size(group))
+                    out.append(MainShard(param=p, main=m.detach().view(-1)[a:b], start=a,
+                                         group=group))
+        return out
 
     def step(self) -> dict[str, float]:
         ok, norm, _ = self.opt.step()

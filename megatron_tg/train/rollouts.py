@@ -136,8 +136,9 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     adv = group_advantages(rewards, gids, obj_cfg)
     frame = cfg.judge.feedback_framing
     samples = [TrainSample(ro, float(a), {k: frame.replace("{feedback}", text) for k, text in
-                                          feedback_for(ro, res, rubric, always).items()})
-               for (g, ro, res), a in zip(ok, adv.tolist())]
+                                          feedback_for(ro, res, rubric, always).items()},
+                           reward=float(r))
+               for (g, ro, res), a, r in zip(ok, adv.tolist(), rewards.tolist())]
     for i, n in enumerate(names):
         metrics[f"criteria/{n}"] = float(scores[:, i].mean())
     if primary:
@@ -194,6 +195,7 @@ class RolloutSide:
                                       vocab_size=len(tokenizer), initial_version=version)
         self.judge = Judge(rubric, tokenizer, llm=llm, tool_call_reading=r.tool_call_reading)
         self.weight_group = None
+        self.last_judged: list[tuple[Rollout, Any]] = []
 
     def call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -206,6 +208,9 @@ class RolloutSide:
         it = iter(results)
         per_group = [[next(it) for _ in g.rollouts] for g in groups]
         samples, lost, metrics = judged_samples(groups, per_group, self.rubric, self.cfg)
+        # Every rollout with its verdict, judge errors included, for the per-sample records.
+        self.last_judged = [(ro, res) for g, rs in zip(groups, per_group)
+                            for ro, res in zip(g.rollouts, rs)]
         if self.rollout_metrics is not None:
             metrics.update(self.rollout_metrics([ro for g in groups for ro in g.rollouts]))
         for gid in lost:

@@ -27,10 +27,13 @@ from megatron_tg.parallel.dims import Axis
 from megatron_tg.parallel.state import init_parallel
 from megatron_tg.train.batching import TrainSample, build_micro_batch
 from megatron_tg.train.checkpoint import Checkpointer
+from megatron_tg.train.ema import ShardedEMA
 from megatron_tg.train.optim import build_optimizer
 from megatron_tg.train.policy import unwrap
+from megatron_tg.train.samples import TurnStats, TurnStatsAccumulator
 from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
 
+_EXTREMA = ("_max", "_min")  # metric keys combined by max/min, not averaged
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -78,6 +81,9 @@ class Trainer:
                                          distributed=p.use_distributed_optimizer,
                                          bf16=dtype == torch.bfloat16)
         self.expert_model = self._build_expert(model, dtype)
+        # The EMA expert's fp32 average, sharded like the optimizer's fp32 main parameters.
+        self.ema = (ShardedEMA(self.optimizer, self.expert_model, model, cfg.objective.ema_decay)
+                    if cfg.objective.expert == "ema" else None)
         # Only the live-weight expert shares the student's keys/values.
         self.prefix_reuse = cfg.objective.expert == "shared" and cfg.objective.expert_prefix_reuse
         self.objective = TGObjective(cfg.objective, group=self.ctx.group(Axis.TP),
@@ -87,6 +93,8 @@ class Trainer:
             tok_dir if os.path.isdir(tok_dir) else os.path.dirname(tok_dir))
         self.checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         self.step = 0
+        self.turn_stats: TurnStats = {}
+        """Per (rollout, turn): loss/gated tokens, mean KL, mean IS weight of the last step."""
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_initial_weights(self, model) -> None:
@@ -118,7 +126,9 @@ class Trainer:
 
         Memory: one more copy of this rank's parameter shard (no gradients, no optimizer
         state). Qwen3-Coder-30B-A3B under recipes/tg_30b.yaml (TP=2, EP=8, ETP=1): 4.40B
-        parameters per rank, +8.2 GiB in bf16 per GPU (from ``megatron-tg describe``).
+        parameters per rank, +8.2 GiB in bf16 per GPU (from ``megatron-tg describe``). The
+        "ema" expert adds its fp32 average, sharded over DP like the optimizer's main
+        parameters (:mod:`megatron_tg.train.ema`): 4 B per parameter / DP size.
         """
         kind = self.cfg.objective.expert
         if kind == "shared":
@@ -132,14 +142,6 @@ class Trainer:
             param.requires_grad_(False)
         return expert.eval()
 
-    @torch.no_grad()
-    def _update_expert(self) -> None:
-        if self.expert_model is None or self.cfg.objective.expert != "ema":
-            return
-        d = self.cfg.objective.ema_decay
-        for pe, p in zip(self.expert_model.parameters(), self.gpt.parameters()):
-            pe.lerp_(p.detach().to(pe.dtype), 1.0 - d)
-
     def resume(self) -> dict[str, Any] | None:
         """Load the newest checkpoint if there is one; returns its trainer state."""
         if not self.cfg.checkpoint.resume:
@@ -147,7 +149,8 @@ class Trainer:
         path = self.checkpointer.latest()
         if path is None:
             return None
-        state = self.checkpointer.load(path, self.model, self.optimizer, self.expert_model)
+        state = self.checkpointer.load(path, self.model, self.optimizer, self.expert_model,
+                                       self.ema)
         self.step = int(state["step"])
         if "objective" in state:
             self.objective.guard.load_state_dict(state["objective"])
@@ -156,7 +159,7 @@ class Trainer:
     def save(self, extra: dict[str, Any]) -> str:
         state = {"objective": self.objective.guard.state_dict(), **extra}
         return str(self.checkpointer.save(self.step, self.model, self.optimizer, state,
-                                          self.expert_model))
+                                          self.expert_model, self.ema))
 
     # ---- training ----------------------------------------------------------------------
     def _lr(self) -> float:
@@ -173,6 +176,7 @@ class Trainer:
         budget = self.cfg.optimizer.micro_batch_tokens
         self.optimizer.zero_grad()
         sums: dict[str, float] = {}
+        extrema: dict[str, float] = {}
         micro = split_by_tokens(samples, budget)
         batches = [build_micro_batch(group, self.tokenizer, self.cfg.objective, row_tokens=budget,
                                      pad_multiple=tp, framing=self.cfg.judge.feedback_role,
@@ -182,6 +186,7 @@ class Trainer:
         totals = dict(num_rollouts=len(samples),
                       num_assistant_tokens=float(sum(int(mb.loss_mask.sum()) for mb in batches)),
                       num_gated_tokens=float(sum(float(mb.gate.sum()) for mb in batches)))
+        turn_stats = TurnStatsAccumulator() if self.cfg.logging.samples_per_step else None
         plan = self._lockstep_plan(batches)
         for i, need_expert in enumerate(plan):
             padding = i >= len(batches)
@@ -198,22 +203,33 @@ class Trainer:
                 continue
             group = micro[i]
             out.loss.backward()
+            if turn_stats is not None:
+                turn_stats.add(mb, group, out.rows)
             for k, v in {"loss": out.loss, **out.metrics}.items():
                 v = float(v)
-                if not math.isnan(v):  # e.g. gated entropy of a micro-batch with no gate
+                if math.isnan(v):  # e.g. gated entropy of a micro-batch with no gate
+                    continue
+                if k.endswith(_EXTREMA):  # a maximum/minimum stays one over micro-batches
+                    pick = max if k.endswith("_max") else min
+                    extrema[k] = pick(extrema.get(k, v), v)
+                else:
                     sums[k] = sums.get(k, 0.0) + v * (len(group) if k != "loss" else 1.0)
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.model])
         self.optimizer.lr = self._lr()
         opt_metrics = self.optimizer.step()
-        self._update_expert()
+        if self.ema is not None:
+            self.ema.update()
         self.step += 1
         metrics = {k: (v if k == "loss" else v / len(samples)) for k, v in sums.items()}
+        metrics.update(extrema)
         metrics.update({f"optim/{k}": v for k, v in opt_metrics.items()})
         metrics["optim/lr"] = self.optimizer.lr
         metrics["train/micro_batches"] = len(micro)
         metrics = self._mean_over_dp(metrics)
+        if turn_stats is not None:
+            self.turn_stats = self._union_over_dp(turn_stats.result())
         event = self.objective.end_step(metrics.get("entropy/gated"))
         if event is not None:
             metrics["kl/guard_event"] = 1.0
@@ -234,6 +250,16 @@ class Trainer:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return [bool(f) for f in flags.tolist()]
 
+    def _union_over_dp(self, stats: TurnStats) -> TurnStats:
+        """Every DP rank's per-turn records, on every rank (rollout ids are disjoint)."""
+        group = self.ctx.group(Axis.DP)
+        size = dist.get_world_size(group)
+        if size == 1:
+            return stats
+        everyone: list[TurnStats] = [{} for _ in range(size)]
+        dist.all_gather_object(everyone, stats, group=group)
+        return {rid: turns for part in everyone for rid, turns in part.items()}
+
     def _mean_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
         """Mean of each metric over the DP ranks that have it (ranks may lack a metric, e.g.
         gated entropy on a rank with nothing gated), so key sets need not match."""
@@ -244,8 +270,14 @@ class Trainer:
         everyone: list[dict[str, float]] = [{} for _ in range(size)]
         dist.all_gather_object(everyone, metrics, group=group)
         keys = sorted({k for m in everyone for k in m})
-        return {k: sum(m[k] for m in everyone if k in m) / sum(1 for m in everyone if k in m)
-                for k in keys}
+        out = {}
+        for k in keys:
+            have = [m[k] for m in everyone if k in m]
+            if k.endswith(_EXTREMA):
+                out[k] = max(have) if k.endswith("_max") else min(have)
+            else:
+                out[k] = sum(have) / len(have)
+        return out
 
     @property
     def gpt(self):

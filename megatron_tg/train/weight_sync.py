@@ -1,33 +1,54 @@
-"""Push the trainer's weights to the rollout engines, in Hugging Face names, bucket by bucket.
+"""Weight sync: the trainer's weights -> every rollout engine, in Hugging Face names.
 
-Collective over the trainer's ranks (every rank calls :func:`iter_hf_weights` in lock-step):
-each parameter is all-gathered over its TP group (expert-TP for experts) and merged with the
-mapping's :func:`merge_tp_shards`; expert weights are then all-gathered over the EP group so
-global rank 0 holds every expert; pipeline stages send their layers to global rank 0 over
-the PP group. Only global rank 0 yields ``(hf_name, tensor)``: it is the single sender in the
-engines' weight-update group (SGLang's ``init_weights_update_group``: trainer rank 0 plus
-every engine rank), and broadcasts size-capped buckets while the engines'
-``/update_weights_from_distributed`` calls are open. On GPU clusters that group is NCCL
-(SGLang's own); the embedded CPU engine implements the same endpoints over gloo.
+The one owner of the protocol (the loop, the preflight and later scale work call into
+here). One sync, while the rollout manager holds the engines paused (``retract`` by
+default, so in-flight requests keep their tokens and recompute their KV):
 
-Peak extra memory on rank 0: one merged parameter (all experts of one weight kind under EP)
-plus one bucket.
+    begin_weight_update -> N x update_weights_from_distributed (flattened buckets,
+    flush_cache=false) -> end_weight_update -> update_weight_version -> flush_cache
+
+The engines' version changes only after every bucket has loaded, and the prefix cache
+(built by the old weights) is flushed once, while paused (SGLang >= 0.5.21 lets a paused
+engine flush with retracted requests waiting). With ``pause_mode=in_place`` requests keep
+their KV in the running batch, where SGLang refuses any flush: the flush is skipped and
+cached prefixes of the old weights stay in use.
+
+**Streaming.** Collective over the trainer's ranks, one parameter at a time: it is
+all-gathered over its TP group (expert-TP for experts), merged with the mapping's
+:func:`merge_tp_shards`, all-gathered over EP for experts, converted to HF tensors, and
+copied into the one preallocated bucket on global rank 0, which broadcasts the bucket when
+the next tensor does not fit. A later pipeline stage streams its parameters to rank 0 the
+same way over the PP group. Peak extra memory per rank: one merged parameter (all experts of
+one weight kind under EP) with its gather buffers, plus one bucket (rank 0 only).
+
+**Proof the engines serve the new weights** (:class:`SyncChecks`): once, SGLang's weight
+checker runs snapshot -> reset_tensors -> sync -> compare, which names every weight the
+engine's loader skipped (SGLang's loader drops names it does not know without an error); and
+every ``rollout.sync_probe_interval`` syncs, each engine's log-probs of a fixed sequence are
+compared with the trainer's own, stopping with :class:`SyncCheckError` naming the engine.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from megatron_tg.models.qwen3_moe.config import Qwen3Arch
-from megatron_tg.models.qwen3_moe.mapping import (ShardLayout, current_layout, merge_tp_shards,
-                                                  param_info, to_hf)
+from megatron_tg.models.qwen3_moe.mapping import current_layout, merge_tp_shards, param_info, to_hf
 from megatron_tg.parallel.dims import Axis
+from megatron_tg.rollout.engine.weights import FlatBucket
 from megatron_tg.train.policy import unwrap
+
+log = logging.getLogger(__name__)
+
+
+class SyncCheckError(RuntimeError):
+    """An engine does not serve the weights the trainer just sent."""
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -40,65 +61,75 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
+def _param_to_hf(name, p, arch, layout, ctx, ep_group, keep: bool) -> list[tuple[str, torch.Tensor]]:
+    """One megatron parameter, gathered over TP (and EP for experts), as HF tensors
+    (``keep``: on the rank that sends them; elsewhere only the gathers run)."""
+    info = param_info(name, arch, layout)
+    full = merge_tp_shards(name, _all_gather(p.detach(), ctx.group(Axis.ETP if info.is_expert else Axis.TP)),
+                           arch, layout)
+    if info.is_expert and dist.get_world_size(ep_group) > 1:
+        gathered = _all_gather(full, ep_group)
+        del full
+        return [hf for r, t in enumerate(gathered) for hf in to_hf(name, t, arch, replace(layout, ep_rank=r))] \
+            if keep else []
+    return list(to_hf(name, full, arch, layout)) if keep else []
+
+
 @torch.no_grad()
 def iter_hf_weights(model: torch.nn.Module, arch: Qwen3Arch, ctx) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every HF tensor of the model, yielded on global rank 0 only (collective)."""
+    """Every HF tensor of the model, one parameter at a time; yielded on global rank 0 only.
+
+    Collective: every rank iterates it to the end in lock-step."""
     from megatron.core import parallel_state as mps
 
     gpt = unwrap(model)
     layout = current_layout(model=gpt)
-    ep_group = ctx.group(Axis.EP)
-    ep_ranks = dist.get_world_size(ep_group)
-    pp_group = ctx.group(Axis.PP)
-    pp_size = dist.get_world_size(pp_group)
-    pp_rank = mps.get_pipeline_model_parallel_rank()
-    on_rank0 = ctx.rank == 0
+    ep_group, pp_group = ctx.group(Axis.EP), ctx.group(Axis.PP)
+    pp_size, pp_rank = dist.get_world_size(pp_group), mps.get_pipeline_model_parallel_rank()
+    # A later stage reaches rank 0 point to point, from the member of rank 0's PP group.
+    on_path = pp_size > 1 and 0 in dist.get_process_group_ranks(pp_group)
     for stage in range(pp_size):
-        pending: list[tuple[str, torch.Tensor]] = []
-        if stage == pp_rank:
-            for name, p in gpt.named_parameters():
-                info = param_info(name, arch, layout)
-                group = ctx.group(Axis.ETP if info.is_expert else Axis.TP)
-                full = merge_tp_shards(name, _all_gather(p.detach(), group), arch, layout)
-                if info.is_expert and ep_ranks > 1:
-                    for r, t in enumerate(_all_gather(full, ep_group)):
-                        pending += list(to_hf(name, t, arch, _with_ep_rank(layout, r)))
-                else:
-                    pending += list(to_hf(name, full, arch, layout))
-        if stage > 0:
-            pending = _send_stage_to_rank0(pending, stage, pp_group, pp_rank, on_rank0)
-        if on_rank0:
-            yield from pending
+        mine = stage == pp_rank
+        relay = on_path and stage > 0 and (ctx.rank == 0 or mine)  # this rank sends or receives
+        if not (mine or relay):
+            continue
+        params = dict(gpt.named_parameters()) if mine else {}
+        src = dist.get_global_rank(pp_group, stage) if on_path else None
+        names = list(params) if mine else None
+        if relay:
+            names = _p2p_object(names, src)
+        for name in names:
+            keep = ctx.rank == 0 or (relay and mine)
+            pieces = _param_to_hf(name, params[name], arch, layout, ctx, ep_group, keep) if mine else []
+            if relay:
+                pieces = _p2p_tensors(pieces, src)
+            if ctx.rank == 0:
+                yield from pieces
+            del pieces
 
 
-def _with_ep_rank(layout: ShardLayout, ep_rank: int) -> ShardLayout:
-    from dataclasses import replace
-
-    return replace(layout, ep_rank=ep_rank)
-
-
-def _send_stage_to_rank0(pending, stage, pp_group, pp_rank, on_rank0):
-    """Move one later stage's HF tensors to the first stage over the PP group (objects)."""
-    box = [pending if pp_rank == stage else None]
-    src = dist.get_global_rank(pp_group, stage)
-    dist.broadcast_object_list(box, src=src, group=pp_group)
-    return box[0] if on_rank0 else []
+def _p2p_object(obj, src: int):
+    """``obj`` from global rank ``src`` to global rank 0 (the caller is one of the two)."""
+    box = [obj]
+    if dist.get_rank() == src:
+        dist.send_object_list(box, dst=0)
+    else:
+        dist.recv_object_list(box, src=src)
+    return box[0]
 
 
-def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
-            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    cur: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if cur and size + nbytes > bucket_bytes:
-            yield cur
-            cur, size = [], 0
-        cur.append((name, t))
-        size += nbytes
-    if cur:
-        yield cur
+def _p2p_tensors(pieces, src: int):
+    """One parameter's HF tensors from global rank ``src`` to global rank 0."""
+    meta = _p2p_object([(n, t.dtype, tuple(t.shape)) for n, t in pieces] if pieces else None, src)
+    out = []
+    for i, (n, dtype, shape) in enumerate(meta):
+        if dist.get_rank() == src:
+            dist.send(pieces[i][1].contiguous(), dst=0)
+        else:
+            t = torch.empty(shape, dtype=dtype)
+            dist.recv(t, src=src)
+            out.append((n, t))
+    return out
 
 
 @dataclass
@@ -116,27 +147,158 @@ class SyncStats:
 
 async def push_weights(client, group, model: torch.nn.Module, arch: Qwen3Arch, ctx, *,
                        version: int, bucket_bytes: int = 512 * 2**20,
-                       dtype: torch.dtype | None = None) -> SyncStats:
-    """Collective: all trainer ranks call it; rank 0 (the sender) needs ``client``/``group``.
+                       dtype: torch.dtype | None = None, flush: bool = True) -> SyncStats:
+    """Collective: all trainer ranks call it; rank 0 (the sender) needs ``client``/``group``
+    (``None`` elsewhere). The caller holds the engines paused (the rollout manager does).
 
-    The caller pauses generation first and continues after (the rollout manager does); the
-    last bucket carries the new ``weight_version`` so engines switch version atomically.
-    """
+    ``dtype``: convert while packing (e.g. bf16 engines from fp32 trainer weights).
+    ``flush``: flush the engines' cache at the end (False for ``pause_mode=in_place``)."""
     start = time.perf_counter()
     stats = SyncStats()
-    pending = None
-    for bucket in buckets(iter_hf_weights(model, arch, ctx), bucket_bytes):
-        if dtype is not None:
-            bucket = [(n, t.to(dtype)) for n, t in bucket]
-        if pending is not None:
-            await client.update_weights_from_distributed(group, pending,
-                                                         load_format="flattened_bucket")
-        pending = bucket
-        stats.tensors += len(bucket)
-        stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+    sender = client is not None
+    bucket = FlatBucket(bucket_bytes, group.group.device) if sender else None
+
+    async def send(what) -> None:
+        await client.update_weights_from_distributed(group, what, flush_cache=False)
         stats.buckets += 1
-    if pending is not None:
-        await client.update_weights_from_distributed(group, pending, weight_version=str(version),
-                                                     load_format="flattened_bucket")
+
+    async def pack(name: str, t: torch.Tensor) -> None:
+        d = dtype or t.dtype
+        stats.tensors += 1
+        stats.bytes += t.numel() * d.itemsize
+        if not sender:
+            return
+        if not bucket.fits(t, d) and bucket.names:
+            await send(bucket)
+            bucket.clear()
+        if bucket.fits(t, d):
+            bucket.add(name, t, d)
+        else:  # larger than a bucket: goes alone, as a plain per-tensor broadcast
+            await send([(name, t.to(device=bucket.device, dtype=d).contiguous())])
+
+    if sender:
+        await client.begin_weight_update(group)
+    for item in iter_hf_weights(model, arch, ctx):
+        await pack(*item)
+        del item  # else it pins the previous parameter while the next one is gathered
+    if sender:
+        if bucket.names:
+            await send(bucket)
+        bucket.release()
+        await client.end_weight_update(group)
+        await client.update_weight_version(str(version), servers=group.servers)
+        if flush:
+            await client.flush_cache(servers=group.servers, strict=True)
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+# ---- proof that the engines serve what was sent ------------------------------------------
+def probe_tokens(vocab_size: int, n: int, seed: int = 1234) -> list[int]:
+    """The fixed sequence whose log-probs engines and trainer compare."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n,), generator=g).tolist()
+
+
+@torch.no_grad()
+def trainer_logprobs(model: torch.nn.Module, arch: Qwen3Arch, ctx, tokens: list[int]) -> torch.Tensor:
+    """log p(tokens[i] | tokens[:i]) for i >= 1 under the trainer's weights (collective)."""
+    from megatron_tg.ops import fused_vocab_parallel_logprob
+    from megatron_tg.train.policy import forward_hidden
+    from megatron_tg.train.step import ops_reduce_hidden_grad
+
+    seq = torch.tensor([tokens])
+    tp = ctx.dims.tp
+    padded = torch.nn.functional.pad(seq, (0, (-seq.shape[1]) % tp))  # sequence parallel splits by tp
+    h = forward_hidden(model, padded, torch.arange(padded.shape[1])[None], None)
+    n = len(tokens)
+    return fused_vocab_parallel_logprob(h.hidden[0, :n - 1], h.output_weight, seq[0, 1:n], ctx.group(Axis.TP),
+                                        vocab_size=arch.vocab_size,
+                                        reduce_hidden_grad=ops_reduce_hidden_grad(model)).float()
+
+
+async def engine_logprobs(client, url: str, tokens: list[int]) -> torch.Tensor:
+    """The engine's log-probs of the same positions (its prompt log-probs)."""
+    body = {"input_ids": tokens, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    out = await client._call(url, "POST", "/generate", body)
+    lps = out["meta_info"]["input_token_logprobs"]
+    return torch.tensor([float(x[0]) for x in lps[1:len(tokens)]])
+
+
+def compare_logprobs(url: str, engine: torch.Tensor, trainer: torch.Tensor, tol: float, version: int) -> float:
+    """Mean |engine - trainer| over the sequence; raises naming the engine above ``tol``."""
+    if engine.shape != trainer.shape:
+        raise SyncCheckError(f"{url}: returned {engine.numel()} prompt log-probs, expected {trainer.numel()}")
+    diff = float((engine - trainer.cpu()).abs().mean())
+    if not diff <= tol:  # also catches NaN
+        raise SyncCheckError(
+            f"engine {url} does not serve the weights of version {version}: its log-probs of the probe "
+            f"sequence differ from the trainer's by {diff:.4g} on average (rollout.sync_probe_tol={tol}); "
+            "it serves stale or missing weights (a name its loader skipped, a failed bucket)")
+    return diff
+
+
+async def verify_coverage(client, group, push) -> None:
+    """SGLang's weight checker around a second push of the weights the engines already hold:
+    snapshot -> reset_tensors -> push -> compare. A weight the push does not write keeps its
+    random value, and compare fails naming it."""
+    await client.weights_checker("snapshot", servers=group.servers)
+    await client.weights_checker("reset_tensors", servers=group.servers)
+    await push()
+    try:
+        await client.weights_checker("compare", servers=group.servers)
+    except Exception as exc:
+        raise SyncCheckError(f"a weight sync leaves engine weights unwritten: {exc}") from exc
+
+
+@dataclass
+class SyncChecks:
+    """When the checks above run (config: rollout.sync_verify_coverage, sync_probe_*)."""
+
+    verify_coverage: bool = True
+    probe_interval: int = 1
+    probe_tol: float = 0.1
+    probe_tokens: int = 32
+    syncs: int = 0
+
+    def coverage_due(self) -> bool:
+        return self.verify_coverage and self.syncs == 1
+
+    def probe_due(self) -> bool:
+        return self.probe_interval > 0 and self.syncs % self.probe_interval == 0
+
+    @classmethod
+    def from_config(cls, r: Any) -> "SyncChecks":
+        return cls(r.sync_verify_coverage, r.sync_probe_interval, r.sync_probe_tol, r.sync_probe_tokens)
+
+
+def probe_engines(trainer, call, client, checks: SyncChecks) -> dict[str, float]:
+    """Collective: the trainer's log-probs of the probe sequence against each engine's.
+
+    Rank 0 asks every engine (``call`` runs a coroutine on the rollout side's loop); the
+    verdict is broadcast so that every rank stops together when an engine is wrong."""
+    ctx = trainer.ctx
+    if ctx.dims.pp > 1:  # the probe runs the trainer's forward in a single stage
+        log.warning("rollout.sync_probe_interval: the log-prob probe needs parallel.pp=1; skipped")
+        return {}
+    tokens = probe_tokens(trainer.arch.vocab_size, checks.probe_tokens)
+    mine = trainer_logprobs(trainer.model, trainer.arch, ctx, tokens)
+    verdict: float | str | None = None
+    if ctx.rank == 0:
+        url = None
+        try:
+            worst = 0.0
+            for url in client.admin_urls:
+                engine = call(engine_logprobs(client, url, tokens))
+                worst = max(worst, compare_logprobs(url, engine, mine, checks.probe_tol, trainer.step))
+            verdict = worst
+        except SyncCheckError as exc:
+            verdict = str(exc)
+        except Exception as exc:  # an engine that cannot answer after a sync is not serving
+            verdict = f"engine {url} failed the log-prob probe after the sync to version {trainer.step}: {exc}"
+    box = [verdict]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise SyncCheckError(box[0])
+    return {"sync/probe_logprob_diff": float(box[0])}

@@ -133,9 +133,11 @@ def test_context_limit(tok, harness, tasks):
 
 
 def test_tasks_as_dicts_and_malformed_only_turn_continues(tok, harness):
-    task = {"id": "inline", "instruction": "Say hi.", "hidden_test_command": "test -f hi.txt"}
+    task = {"id": "inline", "instruction": "Say hi.", "fail_to_pass": ["test_hi.py::test_hi"],
+            "hidden_files": {"test_hi.py": "def test_hi():\n    assert open('hi.txt').read() == 'hi'\n"}}
     script = ["<tool_call>\n<function=>\n</function>\n</tool_call><|im_end|>",
               turn(tok, "", None, ("write_file", {"path": "hi.txt", "content": "hi"})),
               turn(tok, "Done.")]
     r = rollout(harness, ScriptedClient(tok, script), Task.from_dict(task))
     assert r.num_turns == 3 and r.metadata["malformed_tool_calls"] == 1 and r.metadata["tests_passed"] is True
+    assert r.metadata["tests"]["results"] == {"test_hi.py::test_hi": "passed"}

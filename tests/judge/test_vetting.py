@@ -283,8 +283,6 @@ def test_cli_with_tiny_model_and_embedded_engine(tok, tmp_path):
             assert (a["rollouts"], a["rollout_errors"], a["judge_errors"], a["n"]) == (2, 0, 0, 2)
         # The random tiny model's effect is unknown, so the verdict is checked against the
         # report's own numbers: the documented rule, recomputed from the counts it printed.
-        from megatron_tg.judge.vetting import newcombe_interval
-
         w, wo = r["with"], r["without"]
         d, lo, hi = newcombe_interval(w["passed"], w["n"], wo["passed"], wo["n"], report["confidence"])
         assert (r["diff"], r["ci"]) == (pytest.approx(d), pytest.approx([lo, hi]))

@@ -29,7 +29,9 @@ def _two_token_vocab_batch(behaviour, advantages, rollout_index, old=None):
 
 
 def test_ppo_clip_closed_form_value_gradient_and_clip_fraction():
-    cfg = ObjectiveConfig(mode="grpo", clip_eps_low=0.2, clip_eps_high=0.28)
+    # old_logprobs="behaviour": the ratio is taken against the engine's log-probs.
+    cfg = ObjectiveConfig(mode="grpo", clip_eps_low=0.2, clip_eps_high=0.28,
+                          old_logprobs="behaviour")
     # ratios 2, 0.5, 1 in each rollout; rollout 0 has A=+1, rollout 1 has A=-1.
     b = [math.log(0.25), 0.0, math.log(0.5)] * 2
     batch = _two_token_vocab_batch(b, [1.0, -1.0], [0, 0, 0, 1, 1, 1])
@@ -44,7 +46,7 @@ def test_ppo_clip_closed_form_value_gradient_and_clip_fraction():
     want_grad = torch.stack([0.5 * dlogp, -0.5 * dlogp], dim=1)
     torch.testing.assert_close(batch.logits.grad, want_grad)
     assert out.metrics["pg/clip_frac"].item() == pytest.approx(2 / 6)
-    assert out.metrics["pg/is_weight_mean"].item() == 1.0  # no old_logprobs: no TIS
+    assert out.metrics["pg/is_weight_mean"].item() == 1.0  # no π_old: no TIS
 
 
 def test_truncated_importance_sampling_closed_form():
@@ -66,6 +68,76 @@ def test_truncated_importance_sampling_closed_form():
     off = TGObjective(ObjectiveConfig(mode="grpo", tis_cap=0.0, pg_token_normalization="global"),
                       compute_entropy=False)(_two_token_vocab_batch(behaviour, [2.0], [0, 0, 0], old=old))
     assert off.loss.item() == pytest.approx(-2.0, abs=1e-12)
+
+
+def _student_old_batch(deltas, advantages, rollout_index, vocab=5, seed=0):
+    """Random logits; behaviour log-probs = the trainer's own minus ``deltas`` (known gap)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(deltas)
+    logits = torch.randn(n, vocab, generator=gen, dtype=torch.float64) * 2
+    target = torch.randint(0, vocab, (n,), generator=gen)
+    logp = logits.log_softmax(-1).gather(1, target[:, None]).squeeze(1)
+    return PolicyBatch(
+        target_ids=target, behaviour_logprobs=logp - torch.tensor(deltas, dtype=torch.float64),
+        loss_mask=torch.ones(n, dtype=torch.bool), rollout_index=torch.tensor(rollout_index),
+        advantages=torch.tensor(advantages, dtype=torch.float64), gate=torch.zeros(n),
+        logits=logits.requires_grad_(True))
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_default_old_logprobs_are_the_students_detached_and_tis_is_on(mode):
+    """Defaults, no old_logprobs given: π_old = the student's log-probs detached, so r = 1 and
+    the loss is −(1/R) Σ_i (1/|o_i|) Σ_t w_t·A_i with w = min(e^δ, C) (or e^δ inside
+    [1/C, C], else 0), where δ = log π_old − log π_behaviour is set by construction; the
+    logit gradient is −w_t·A_i/(R·|o_i|)·(onehot(y_t) − softmax(z_t))."""
+    cfg = ObjectiveConfig(mode="grpo", tis_mode=mode)  # tis_cap 2.0, old_logprobs "student"
+    deltas = [math.log(5.0), 0.2, -0.1, -math.log(3.0), 0.0]
+    rollout_index, adv = [0, 0, 0, 1, 1], [1.5, -0.5]
+    batch = _student_old_batch(deltas, adv, rollout_index)
+    out = TGObjective(cfg, compute_entropy=False)(batch)
+    raw = [math.exp(d) for d in deltas]
+    if mode == "truncate":
+        w = [min(x, 2.0) for x in raw]
+    else:
+        w = [x if 0.5 <= x <= 2.0 else 0.0 for x in raw]
+    lengths = [3, 2]
+    want = sum(-w[t] * adv[r] / lengths[r] for t, r in enumerate(rollout_index)) / 2
+    assert out.loss.item() == pytest.approx(want, abs=1e-12)
+    out.loss.backward()
+    probs = batch.logits.detach().softmax(-1)
+    onehot = torch.nn.functional.one_hot(batch.target_ids, probs.shape[1]).double()
+    coef = torch.tensor([-w[t] * adv[r] / (2 * lengths[r]) for t, r in enumerate(rollout_index)],
+                        dtype=torch.float64)
+    torch.testing.assert_close(batch.logits.grad, coef[:, None] * (onehot - probs))
+    m = out.metrics
+    assert m["pg/ratio_mean"].item() == 1.0 and m["pg/clip_frac"].item() == 0.0
+    assert m["pg/is_weight_mean"].item() == pytest.approx(sum(w) / 5)
+    assert m["pg/is_weight_max"].item() == pytest.approx(5.0)
+    assert m["pg/is_weight_min"].item() == pytest.approx(1 / 3)
+    assert m["pg/is_frac_truncated"].item() == pytest.approx((1 if mode == "truncate" else 2) / 5)
+    assert m["pg/engine_logprob_gap"].item() == pytest.approx(sum(map(abs, deltas)) / 5)
+
+
+def test_tis_metric_follows_the_engine_gap():
+    """The IS-weight metric is the weight distribution, not a constant: zero gap gives weight
+    1 (up to the op's rounding of the log-prob), and a larger gap a larger spread."""
+    objective = TGObjective(ObjectiveConfig(mode="grpo"), compute_entropy=False)
+    stds = []
+    for scale in (0.0, 0.1, 0.4):
+        deltas = (scale * torch.randn(50, generator=torch.Generator().manual_seed(1))).tolist()
+        m = objective(_student_old_batch(deltas, [1.0], [0] * 50)).metrics
+        stds.append(m["pg/is_weight_std"].item())
+        if scale == 0.0:
+            assert m["pg/is_weight_mean"].item() == pytest.approx(1.0, abs=1e-12)
+            assert m["pg/is_weight_max"].item() == pytest.approx(1.0, abs=1e-12)
+    assert stds[0] < 1e-12 and 0.05 < stds[1] < stds[2]
+
+
+def test_masked_tis_needs_a_band():
+    with pytest.raises(ValueError, match="objective.tis_cap"):
+        ObjectiveConfig(tis_mode="mask", tis_cap=1.0).validate()
+    with pytest.raises(ValueError, match="objective.old_logprobs"):
+        ObjectiveConfig(old_logprobs="engine").validate()
 
 
 def test_prompt_and_tool_rows_never_count():
@@ -106,9 +178,12 @@ def test_rewards_weights_and_opsd_drops_non_primary():
     tg = ObjectiveConfig(criterion_weights={"markdown": 0.5})
     torch.testing.assert_close(combine_rewards(scores, names, tg),
                                torch.tensor([2.0, 1.5], dtype=torch.float64))
-    opsd = ObjectiveConfig(mode="opsd", criterion_weights={"markdown": 0.5})
+    opsd = ObjectiveConfig(mode="opsd", criterion_weights={"markdown": 0.5},
+                           primary_criteria=["tests_pass"])
     torch.testing.assert_close(combine_rewards(scores, names, opsd),
                                torch.tensor([1.0, 0.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="none are set"):  # unresolved: every reward would be 0
+        combine_rewards(scores, names, ObjectiveConfig(mode="opsd"))
     with pytest.raises(ValueError, match="rollouts"):
         combine_rewards(scores, names[:2], tg)
 

@@ -57,3 +57,25 @@ def test_no_thinking_removes_thinking_rows_from_the_kl():
     assert tg_b.gate_index.tolist() == [0, 1, 2, 3] and nt_b.gate_index.tolist() == [2, 3]
     TGObjective(nt_cfg)(nt_b).terms["kl"].backward()
     assert (nt_b.logits.grad[:2] == 0).all() and (nt_b.logits.grad[2:] != 0).any()
+
+
+def test_names_written_in_two_layers_agree():
+    """The config keeps its own copies of these names so that importing it needs no torch;
+    they must be the ones the code below it accepts."""
+    from megatron_tg.config.objective import KL_DIRECTIONS, MODES, ObjectiveConfig
+    from megatron_tg.objectives.modes import mode_switches
+    from megatron_tg.ops.vocab_parallel import KL_DIRECTIONS as OPS_DIRECTIONS
+
+    assert KL_DIRECTIONS == OPS_DIRECTIONS
+    for mode in MODES:  # every configurable mode has switches
+        mode_switches(ObjectiveConfig(mode=mode))
+
+
+def test_objective_errors_are_config_errors():
+    import pytest
+
+    from megatron_tg.config import ConfigError
+    from megatron_tg.config.objective import ObjectiveConfig
+
+    with pytest.raises(ConfigError, match="objective.kl_coef must be >= 0"):
+        ObjectiveConfig(kl_coef=-1.0).validate()

@@ -73,42 +73,6 @@ def test_admin_broadcast_and_weight_version(engines, model_plain, model_b):
     assert expected == "back" and set(final.values()) == {"back"}
 
 
-def test_router_url_with_admin_urls(engines):
-    """A router is one URL that forwards /generate; admin calls go to the workers."""
-    from aiohttp import ClientSession, web
-
-    async def main():
-        session = ClientSession()
-        turn = iter(range(1 << 30))
-
-        async def forward(request):
-            worker = engines[next(turn) % len(engines)].url
-            async with session.post(f"{worker}/generate", data=await request.read(),
-                                    headers={"Content-Type": "application/json"}) as r:
-                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
-
-        app = web.Application()
-        app.router.add_post("/generate", forward)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        router = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        try:
-            async with SGLangClient([router], admin_urls=[e.url for e in engines]) as c:
-                rs = await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 3, "ignore_eos": True}) for _ in range(4)))
-                paused = await c.pause_generation(mode="in_place")
-                await c.continue_generation()
-                return rs, paused
-        finally:
-            await runner.cleanup()
-            await session.close()
-
-    rs, paused = run(main())
-    assert all(len(r.output_ids) == 3 for r in rs) and {r.server for r in rs} == {rs[0].server}
-    assert set(paused) == {e.url for e in engines}
-
-
 def test_hedged_request_answered_once_and_late_duplicate_counted(engines):
     async def main():
         async with SGLangClient([e.url for e in engines], hedge_after_s=0.05) as c:

@@ -163,6 +163,9 @@ def test_bad_requests_are_400(http_call, engine):
     assert s == 400 and "input_ids" in out["error"]["message"]
     s, out = http_call(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params": {"sampling_seed": 2**70}})
     assert s == 400 and "sampling_seed" in out["error"]["message"]
+    # SGLang 0.5.23 builds SamplingParams(**sampling_params): a misspelt key is a 400
+    s, out = http_call(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_tokens": 4}})
+    assert s == 400 and "unknown field `max_tokens`" in out["error"]["message"]
     assert http_call(engine.url, "/health_generate")[0] == 200  # still serving
 
 
@@ -278,7 +281,7 @@ def test_update_weights_from_disk(http_call, engine, model_a, model_b, hf_b):
 
 def test_update_weights_from_distributed_equals_disk(http_call, engine, model_a, model_b):
     from megatron_tg.rollout.client import SGLangClient
-    from megatron_tg.rollout.engine.weights import iter_checkpoint
+    from megatron_tg.rollout.engine.weights import FlatBucket, iter_checkpoint
 
     def probe():
         o = gen(http_call, engine, temperature=0.9, max_new_tokens=12, sampling_seed=7)
@@ -295,13 +298,20 @@ def test_update_weights_from_distributed_equals_disk(http_call, engine, model_a,
         async with SGLangClient([engine.url]) as client:
             group = await client.init_weights_update_group("127.0.0.1", free_port(), group_name="g1")
             try:
+                await client.begin_weight_update(group)
                 await client.update_weights_from_distributed(group, tensors_b, weight_version="dist-b")
+                await client.end_weight_update(group)
                 got_b = probe()
                 name = "model.layers.1.mlp.experts.2.up_proj.weight"
                 remote = http_call(engine.url, "/get_weights_by_name", {"name": name, "truncate_size": 1000})[1]
                 assert torch.equal(torch.tensor(remote), dict(tensors_b)[name])
                 # Same transport, one flat buffer (SGLang's load_format="flattened_bucket").
-                await client.update_weights_from_distributed(group, tensors_a, load_format="flattened_bucket")
+                bucket = FlatBucket(sum(t.numel() * t.element_size() for _, t in tensors_a), torch.device("cpu"))
+                for n, t in tensors_a:
+                    bucket.add(n, t)
+                await client.begin_weight_update(group)
+                await client.update_weights_from_distributed(group, bucket)
+                await client.end_weight_update(group)
                 got_a = probe()
                 versions = await client.get_weight_version()
             finally:
@@ -314,17 +324,136 @@ def test_update_weights_from_distributed_equals_disk(http_call, engine, model_a,
     assert list(versions.values())[0].isdigit()  # no version given: bumped to the update count
 
 
+def test_distributed_update_outside_begin_end_is_refused(http_call, engine, model_a):
+    """Finding 3: from SGLang 0.5.21 an update outside begin/end is a 400 before the engine
+    joins the broadcast, so the sender's broadcast only ends at the group's timeout."""
+    from megatron_tg.rollout.client import SGLangClient, SGLangClientError
+    from megatron_tg.rollout.engine.weights import iter_checkpoint
+
+    assert http_call(engine.url, "/end_weight_update", {})[0] == 400  # nothing to end
+    assert http_call(engine.url, "/begin_weight_update", {})[0] == 200
+    status, out = http_call(engine.url, "/begin_weight_update", {})
+    assert status == 400 and "already open" in out["message"]
+    assert http_call(engine.url, "/end_weight_update", {})[0] == 200
+    tensors = list(iter_checkpoint(str(model_a)))[:2]
+
+    async def trainer():
+        async with SGLangClient([engine.url]) as client:
+            group = await client.init_weights_update_group("127.0.0.1", free_port(), group_name="bare",
+                                                           timeout_s=3)
+            try:
+                with pytest.raises(SGLangClientError, match="must run between begin_weight_update"):
+                    await client.update_weights_from_distributed(group, tensors)
+            finally:
+                await client.destroy_weights_update_group(group)
+
+    asyncio.run(trainer())
+
+
+def _between_begin_end(http_call, engine, path, body):
+    assert http_call(engine.url, "/begin_weight_update", {})[0] == 200
+    try:
+        return http_call(engine.url, path, body)
+    finally:
+        assert http_call(engine.url, "/end_weight_update", {})[0] == 200
+
+
+def test_flush_fails_while_paused_in_place_and_succeeds_retracted(http_call, engine, model_a):
+    """Finding 4: in_place keeps requests in the running batch, where every flush fails
+    (an update with SGLang's default flush_cache=true loads, then answers 400); retract
+    moves them to the waiting queue, which a paused flush ignores (SGLang >= 0.5.21)."""
+    from megatron_tg.rollout.engine.weights import encode_named_tensors, iter_checkpoint
+
+    name = "model.norm.weight"
+    original = dict(iter_checkpoint(str(model_a)))[name]
+    t, box = _run_in_thread(lambda: gen(http_call, engine, temperature=0, max_new_tokens=2000, ignore_eos=True))
+    _wait_running(http_call, engine)
+    try:
+        http_call(engine.url, "/pause_generation", {"mode": "in_place"})
+        assert http_call(engine.url, "/flush_cache", {})[0] == 400
+        body = {"serialized_named_tensors": [encode_named_tensors([(name, original * 3)])]}
+        s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)
+        assert s == 400 and "cache was not flushed" in out["message"]
+        got = torch.tensor(http_call(engine.url, "/get_weights_by_name", {"name": name})[1])
+        assert torch.equal(got, original * 3)  # loaded all the same, as SGLang does
+        http_call(engine.url, "/continue_generation", {})
+        http_call(engine.url, "/pause_generation", {"mode": "retract"})
+        assert http_call(engine.url, "/flush_cache", {})[0] == 200
+        body = {"serialized_named_tensors": [encode_named_tensors([(name, original)])], "flush_cache": True}
+        s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)
+        assert s == 200 and out["success"], out
+    finally:
+        http_call(engine.url, "/continue_generation", {})
+        t.join(60)
+    meta = box["out"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["num_retractions"] == 1  # never lost
+
+
 def test_update_weights_from_tensor(http_call, engine, model_a):
     from megatron_tg.rollout.engine.weights import encode_named_tensors, iter_checkpoint
 
     name = "model.norm.weight"
     original = dict(iter_checkpoint(str(model_a)))[name]
     body = {"serialized_named_tensors": [encode_named_tensors([(name, original * 2)])], "weight_version": "t"}
-    s, out = http_call(engine.url, "/update_weights_from_tensor", body)
+    assert http_call(engine.url, "/update_weights_from_tensor", body)[0] == 400  # outside begin/end
+    s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)
     assert s == 200 and out["success"], out
     assert torch.equal(torch.tensor(http_call(engine.url, "/get_weights_by_name", {"name": name})[1]), original * 2)
     body = {"serialized_named_tensors": [encode_named_tensors([(name, original)])]}
-    assert http_call(engine.url, "/update_weights_from_tensor", body)[1]["success"]
-    s, out = http_call(engine.url, "/update_weights_from_tensor",
-                       {"serialized_named_tensors": [encode_named_tensors([("no.such.weight", original)])]})
-    assert s == 400 and not out["success"] and "no.such.weight" in out["message"]
+    assert _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)[1]["success"]
+
+
+def test_unknown_weight_names_are_skipped_but_the_checker_names_what_was_missed(http_call, engine, model_a):
+    """Finding 7: SGLang's loader skips names it does not know (no error, stale weights);
+    snapshot -> reset_tensors -> update -> compare names the weight a renamed tensor missed."""
+    from megatron_tg.rollout.engine.weights import encode_named_tensors, iter_checkpoint
+
+    tensors = list(iter_checkpoint(str(model_a)))
+    typo = [("model.layers.0.self_attn.q_norm.weightt" if n == "model.layers.0.self_attn.q_norm.weight" else n, t)
+            for n, t in tensors]
+    check = lambda action: http_call(engine.url, "/weights_checker", {"action": action})  # noqa: E731
+    try:
+        assert check("snapshot")[0] == 200 and check("reset_tensors")[0] == 200
+        s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor",
+                          {"serialized_named_tensors": [encode_named_tensors(typo)]})
+        assert s == 200 and out["success"]  # the bad name went unnoticed by the loader
+        s, out = check("compare")
+        assert s == 400 and out["message"] == "check tensor equality failed: name=model.layers.0.self_attn.q_norm.weight"
+        # With every name right the same sequence passes (from the real weights again).
+        http_call(engine.url, "/update_weights_from_disk", {"model_path": str(model_a)})
+        assert check("snapshot")[0] == 200 and check("reset_tensors")[0] == 200
+        _between_begin_end(http_call, engine, "/update_weights_from_tensor",
+                 {"serialized_named_tensors": [encode_named_tensors(tensors)]})
+        assert check("compare") == (200, {"success": True, "message": "Success."})
+    finally:
+        http_call(engine.url, "/update_weights_from_disk", {"model_path": str(model_a)})
+
+
+def test_an_engine_older_than_the_pinned_range_is_refused_by_version(http_call, engine_launcher, model_plain):
+    """An engine following SGLang 0.5.20's rules: no begin/end weight-update calls, and a paused
+    flush fails while retracted requests wait (from 0.5.21 it ignores them). The client
+    reads its version from /server_info and refuses it before forming any group."""
+    from megatron_tg.rollout.client import SGLangClient, SGLangClientError
+    from megatron_tg.rollout.engine.launch import start_engines
+
+    (old,) = start_engines([model_plain], model_plain / "logs", extra_args=["--sglang-version", "0.5.20"])
+    try:
+        info = http_call(old.url, "/server_info")[1]
+        assert (info["version"], info["tp_size"], info["pp_size"], info["dp_size"]) == ("0.5.20", 1, 1, 1)
+        assert http_call(old.url, "/begin_weight_update", {})[0] == 404
+        t, box = _run_in_thread(lambda: gen(http_call, old, temperature=0, max_new_tokens=2000, ignore_eos=True))
+        _wait_running(http_call, old)
+        http_call(old.url, "/pause_generation", {"mode": "retract"})
+        assert http_call(old.url, "/flush_cache", {})[0] == 400  # the retracted request waits
+        http_call(old.url, "/continue_generation", {})
+        http_call(old.url, "/abort_request", {"abort_all": True})
+        t.join(60)
+
+        async def trainer():
+            async with SGLangClient([old.url]) as client:
+                await client.init_weights_update_group("127.0.0.1", free_port())
+
+        with pytest.raises(SGLangClientError, match=f"{old.url} runs SGLang 0.5.20, older than 0.5.21"):
+            asyncio.run(trainer())
+    finally:
+        old.stop()

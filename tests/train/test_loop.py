@@ -110,6 +110,18 @@ def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
     assert all(r["rollout/turns"] >= 1 and r["rollout/response_tokens"] > 0 for r in rows)
     assert all(r["entropy/all"] > 0 for r in rows)
     assert (run_dir / "config.yaml").exists()
+    # One records file per step, none lost or doubled by the resume; 2 x 2 rollouts each.
+    from megatron_tg.train.samples import read_samples, steps_recorded
+
+    assert steps_recorded(run_dir) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        recs = read_samples(run_dir, step)
+        assert len(recs) == 4 and len({r["rollout_id"] for r in recs}) == 4
+        for r in recs:
+            assert set(r["criteria"]) >= {"search_lines"} or r["judge_error"], r
+            assert r["turns"] and all(t["tokens"] > 0 for t in r["turns"])
+            if r["trained"]:
+                assert all(t["loss_tokens"] == t["tokens"] for t in r["turns"])
     assert (run_dir / "ckpt" / "latest").read_text().strip() == "step_00000004"
     # the manifest: one entry per start, the resume at the step it resumed from
     import json

@@ -1,15 +1,19 @@
 """Weight sync trainer -> engine at TP=2 x EP=2: afterwards the engine's log-probs for a fixed
-sequence equal the trainer's own (megatron, vocab-parallel) log-probs.
+sequence equal the trainer's own (megatron, vocab-parallel) log-probs, and no rank held more
+than one merged parameter plus one bucket at any time during the sync.
 
 The engine starts from *different* weights (another seed), so equality proves the sync.
+Peak memory is measured by following every tensor storage the sync creates (:class:`LiveBytes`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tg.parallel.ports import free_port
 from megatron_tg.rollout.engine.launch import start_engines
@@ -35,12 +39,11 @@ def _sync_fn(rank, world, state, hf_cfg, url, port, prompt):
 
     async def sync():
         if rank != 0:
-            return await push_weights(None, None, model, arch, ctx, version=1, bucket_bytes=64 << 10)
+            return await push_weights(None, None, model, arch, ctx, version=1, bucket_bytes=BUCKET)
         client = SGLangClient([url], timeout_s=60)
         group = await client.init_weights_update_group("127.0.0.1", port, group_name="tg-test")
-        await client.pause_generation(mode="in_place")
-        stats = await push_weights(client, group, model, arch, ctx, version=1,
-                                   bucket_bytes=64 << 10)
+        await client.pause_generation(mode="retract")
+        stats = await push_weights(client, group, model, arch, ctx, version=1, bucket_bytes=BUCKET)
         await client.continue_generation()
         res = await client.generate(prompt, {"temperature": 0.0, "max_new_tokens": 8,
                                              "ignore_eos": True}, return_logprob=True)
@@ -49,7 +52,8 @@ def _sync_fn(rank, world, state, hf_cfg, url, port, prompt):
         await client.close()
         return stats, res, version
 
-    out = asyncio.run(sync())
+    largest = max(_merged_bytes(name, p, arch, model) for name, p in model.named_parameters())
+    out, peak = peak_extra_bytes(lambda: asyncio.run(sync()), model)
     # Everyone needs the engine's output tokens to run the trainer's forward on them.
     box = [list(prompt) + list(out[1].output_ids) if rank == 0 else None]
     torch.distributed.broadcast_object_list(box, src=0)
@@ -64,28 +68,155 @@ def _sync_fn(rank, world, state, hf_cfg, url, port, prompt):
                                           ctx.group(Axis.TP), vocab_size=arch.vocab_size,
                                           reduce_hidden_grad=ops_reduce_hidden_grad(model))
     if rank != 0:
-        return None
+        return dict(peak=peak, largest=largest)
     stats, res, version = out
     return dict(trainer=lp, engine=torch.tensor(res.output_logprobs), version=version,
-                stats=stats.as_metrics())
+                stats=stats.as_metrics(), peak=peak, largest=largest)
+
+
+BUCKET = 16 << 10
+LAYERS = 8  # enough that the whole model is far larger than one parameter plus a bucket
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage created while active and still referenced by a tensor.
+
+    Every op's outputs are seen by the dispatcher; a storage counts from the first tensor
+    on it until the last such tensor is garbage. Storages that existed before (the model's
+    parameters, which ``detach`` views) are not extra. (torch's profiler cannot be used:
+    it records frees on the calling thread only, and gloo's worker thread often drops a
+    collective's last reference, so those tensors would look held forever.)"""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.existing = {t.untyped_storage().data_ptr() for t in existing}
+        self.storages: dict[int, list[int]] = {}  # data_ptr -> [nbytes, live tensors]
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr == 0 or ptr in self.existing:
+            return
+        entry = self.storages.get(ptr)
+        if entry is None:
+            entry = self.storages[ptr] = [st.nbytes(), 0]
+            self.live += entry[0]
+            self.peak = max(self.peak, self.live)
+        entry[1] += 1
+        weakref.finalize(t, self._release, ptr)
+
+    def _release(self, ptr: int) -> None:
+        entry = self.storages[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.storages[ptr]
+            self.live -= entry[0]
+
+
+def peak_extra_bytes(fn, model):
+    """(fn(), the most extra bytes the sync held at once)."""
+    with LiveBytes(list(model.parameters()) + list(model.buffers())) as meter:
+        out = fn()
+    return out, meter.peak
+
+
+def _merged_bytes(name, p, arch, model) -> int:
+    """Bytes of one parameter merged over TP (expert-TP) and, for experts, gathered over EP."""
+    from megatron_tg.models.qwen3_moe.mapping import current_layout, param_info
+
+    layout = current_layout(model=model)
+    if param_info(name, arch, layout).is_expert:
+        return p.numel() * p.element_size() * layout.etp * layout.ep
+    return p.numel() * p.element_size() * layout.tp
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     # The engine serves seed-1 weights; the trainer holds seed-0 weights.
     d = tmp_path_factory.mktemp("engine_model")
-    _, other, _ = tiny_hf_model(seed=1)
+    _, other, _ = tiny_hf_model(seed=1, num_hidden_layers=LAYERS)
     other.save_pretrained(d)
     (e,) = start_engines([d], tmp_path_factory.mktemp("engine_logs"))
+    e.model_dir = d
     yield e
     e.stop()
 
 
 def test_sync_makes_engine_logprobs_equal_trainer(engine):
-    cfg, model, state = tiny_hf_model(seed=0)
+    cfg, model, state = tiny_hf_model(seed=0, num_hidden_layers=LAYERS)
     prompt = [5, 17, 42, 7, 99, 3]
-    out = run_distributed(_sync_fn, 4, state, cfg.to_dict(), engine.url, free_port(), prompt)[0]
+    outs = run_distributed(_sync_fn, 4, state, cfg.to_dict(), engine.url, free_port(), prompt)
+    out = outs[0]
     assert list(out["version"].values()) == ["1"]
     assert out["stats"]["sync/tensors"] == len(state)  # every HF tensor, once
     assert out["stats"]["sync/buckets"] > 1
+    # Streaming: one merged parameter in flight (its TP gather buffers, the merge, the HF
+    # split: 3 copies at most) plus the one bucket on the sender, never the whole model.
+    total = out["stats"]["sync/bytes"]
+    for rank, r in enumerate(outs):
+        bound = 3 * r["largest"] + (BUCKET if rank == 0 else 0)
+        print(f"rank {rank}: peak extra {r['peak']} B during the sync; bound {bound} B; model {total} B")
+        assert 0 < r["peak"] <= bound
+    assert total > 2 * (3 * out["largest"] + BUCKET)  # so holding the whole model would fail
     torch.testing.assert_close(out["engine"], out["trainer"], atol=1e-4, rtol=1e-4)
+
+
+def test_probe_and_coverage_check_name_the_engine_and_the_weight(engine):
+    """The log-prob probe passes on the weights the engine loaded and stops, naming the
+    engine, when one weight is off; the weight checker's snapshot -> reset -> push ->
+    compare names the weight a push with a misnamed tensor left unwritten."""
+    from safetensors.torch import load_file
+
+    from megatron_tg.rollout.client import SGLangClient
+    from megatron_tg.train.weight_sync import (SyncCheckError, compare_logprobs, engine_logprobs,
+                                               probe_tokens, verify_coverage)
+
+    _, hf, _ = tiny_hf_model(seed=1, num_hidden_layers=LAYERS)
+    state = load_file(str(engine.model_dir / "model.safetensors"))
+    tokens = probe_tokens(hf.config.vocab_size, 32)
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), -1)
+    trainer = lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+
+    async def main():
+        async with SGLangClient([engine.url]) as client:
+            await client.update_weights_from_disk(str(engine.model_dir))  # the seed-1 weights again
+            group = await client.init_weights_update_group("127.0.0.1", free_port(), group_name="probe")
+
+            def push(named):
+                async def go():
+                    await client.begin_weight_update(group)
+                    await client.update_weights_from_distributed(group, named)
+                    await client.end_weight_update(group)
+                return go
+
+            try:
+                diff = compare_logprobs(engine.url, await engine_logprobs(client, engine.url, tokens), trainer,
+                                        0.1, version=1)
+                bad = dict(state, **{"model.norm.weight": state["model.norm.weight"] * 3})
+                await push(list(bad.items()))()
+                with pytest.raises(SyncCheckError, match=f"engine {engine.url} does not serve") as bad_diff:
+                    compare_logprobs(engine.url, await engine_logprobs(client, engine.url, tokens), trainer,
+                                     0.1, version=2)
+                print(bad_diff.value)
+                await push(list(state.items()))()
+                typo = [(n + "_" if n == "model.norm.weight" else n, t) for n, t in state.items()]
+                with pytest.raises(SyncCheckError, match="name=model.norm.weight"):
+                    await verify_coverage(client, group, push(typo))
+                await push(list(state.items()))()
+                await verify_coverage(client, group, push(list(state.items())))  # all names right: passes
+            finally:
+                await client.destroy_weights_update_group(group)
+            return diff
+
+    diff = asyncio.run(main())
+    print(f"probe: mean |engine - HF| log-prob over {len(tokens) - 1} positions = {diff:.3g}")
+    assert diff < 1e-4

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from megatron_tg.parallel.ports import free_port
 
@@ -59,8 +60,10 @@ def _die_with_parent() -> None:
 
 
 def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0,
-                  threads: int = 1) -> list[Engine]:
-    """Start engine subprocesses (in parallel) and wait until each answers /health."""
+                  threads: int = 1, extra_args: Sequence[str] = ()) -> list[Engine]:
+    """Start engine subprocesses (in parallel) and wait until each answers /health.
+
+    ``extra_args`` go to every engine's command line (e.g. ``--sglang-version 0.5.20``)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", ENGINE_LOG_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
@@ -70,7 +73,7 @@ def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0
         log_path = log_dir / f"engine_{port}.log"
         proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_tg.rollout.engine", "--model", str(model_dir), "--port", str(port),
-             "--host", "127.0.0.1", "--threads", str(threads)],
+             "--host", "127.0.0.1", "--threads", str(threads), *extra_args],
             stdout=open(log_path, "wb"),
             stderr=subprocess.STDOUT,
             env=env,

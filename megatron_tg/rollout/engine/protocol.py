@@ -21,6 +21,17 @@ from typing import Any
 SAMPLING_EPS = 1e-6
 TOP_K_ALL = 1 << 30
 
+# The API fields of sglang 0.5.23's ``SamplingParams`` (a msgspec Struct built with
+# ``SamplingParams(**sampling_params)``, so any other key is a 400 there). The 3.12 test
+# lane checks this set against SGLang's own class (tests/sglang/test_requests.py).
+SGLANG_SAMPLING_KEYS = frozenset({
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "beam_width",
+    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
+    "custom_params", "watermark",
+})
+
 
 class RequestError(ValueError):
     """A malformed or unsupported request: the server answers 400 with this message."""
@@ -49,6 +60,12 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
         d = dict(d or {})
+        unknown = sorted(set(d) - SGLANG_SAMPLING_KEYS)
+        if unknown:
+            # A 400 with the wording of SGLang's JSON contract gate: a misspelt key must
+            # not silently sample with the default instead.
+            raise RequestError(f"unknown field `{unknown[0]}` in sampling_params, expected one of "
+                               + ", ".join(f"`{k}`" for k in sorted(SGLANG_SAMPLING_KEYS)))
         # Parameters whose non-default values change the output distribution. We refuse
         # them loudly: an RL trainer must never get samples from a different policy
         # than the one it asked for.
@@ -63,6 +80,8 @@ class SamplingParams:
             "logit_bias": None,
             "stop_regex": None,
             "custom_params": None,
+            "watermark": None,
+            "spaces_between_special_tokens": True,
         }
         for key, default in unsupported.items():
             value = d.get(key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -16,11 +17,18 @@ from typing import Any
 from aiohttp import web
 
 from . import weights as W
+from .weight_api import SGLangRules, WeightEndpoints
 from .model_runner import ModelRunner
 from .protocol import GenRequest, RequestError, SamplingParams, build_response, parse_generate
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+# SGLang's own switches (same names and defaults as sglang 0.5.23's environ.py and
+# http_server.py): /health generates one token unless the first is off, and gives up
+# with 503 after the second's seconds.
+HEALTH_GENERATES = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() not in ("0", "false", "no")
+HEALTH_CHECK_TIMEOUT = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -31,7 +39,7 @@ def _error(message: str, status: int = 400) -> web.Response:
     return _json({"error": {"message": message}}, status=status)
 
 
-class EngineServer:
+class EngineServer(WeightEndpoints):
     def __init__(
         self,
         model_path: str,
@@ -39,6 +47,7 @@ class EngineServer:
         seed: int = 0,
         weight_version: str = "default",
         attn_implementation: str | None = None,
+        sglang_version: str = "0.5.23",
     ):
         self.model_path = model_path
         self.runner = ModelRunner(model_path, attn_implementation=attn_implementation)
@@ -60,6 +69,9 @@ class EngineServer:
         # update is visible in meta_info and versions never repeat.
         self.num_updates = 0
         self.groups: dict[str, W.WeightUpdateGroup] = {}
+        self.rules = SGLangRules(sglang_version)  # the release whose weight-update rules apply
+        self.update_open = False  # between /begin_weight_update and /end_weight_update
+        self.checker = W.WeightChecker(self.runner.model)
         self.started = time.time()
 
     # ---- plumbing between the event loop and the scheduler thread -----------------------
@@ -97,26 +109,18 @@ class EngineServer:
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
         r.add_get("/health", self.health)
-        r.add_get("/ready", self.health)
+        r.add_get("/ready", self.ready)
         r.add_get("/health_generate", self.health_generate)
         for path in ("/get_model_info", "/model_info"):
             r.add_get(path, self.model_info)
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.server_info)
-        r.add_get("/get_weight_version", self.get_weight_version)
-        r.add_post("/update_weight_version", self.update_weight_version)
         r.add_route("GET", "/flush_cache", self.flush_cache)
         r.add_post("/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
-        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
-        r.add_post("/init_weights_update_group", self.init_weights_update_group)
-        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        r.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
-        r.add_post("/get_weights_by_name", self.get_weights_by_name)
+        self.add_weight_routes(r)
         app.on_startup.append(self._startup)
         app.on_shutdown.append(self._shutdown)
         return app
@@ -199,9 +203,9 @@ class EngineServer:
         return _json({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        # No prefix cache to flush; like SGLang, refuse while requests hold KV.
-        busy = await self._call(lambda: self.scheduler.holds_kv() or bool(self.scheduler.waiting), drain=False)
-        if busy:
+        # No prefix cache to flush; like SGLang, refuse while requests hold KV (or wait,
+        # unless paused on a release whose paused flush ignores the waiting queue).
+        if await self._call(self.flush_busy, drain=False):
             return web.Response(
                 text="Flush cache failed: there are running or waiting requests.\n", status=400
             )
@@ -211,27 +215,36 @@ class EngineServer:
         )
 
     # ---- info --------------------------------------------------------------------------
+    async def ready(self, request: web.Request) -> web.Response:
+        # SGLang: 200 when up and not paused (no generation).
+        return web.Response(status=200 if self.scheduler.alive and self.scheduler.paused is None else 503)
+
     async def health(self, request: web.Request) -> web.Response:
-        # SGLang's /health is a liveness check unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION.
+        if HEALTH_GENERATES:
+            return await self.health_generate(request)
         return web.Response(status=200 if self.scheduler.alive else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """Generate one token through the scheduler, as SGLang does (20 s budget).
-
-        Deviation: while paused it answers 200 at once (SGLang would wait and time out),
-        so a paused-for-weight-sync server is not mistaken for a dead one.
-        """
+        """Generate one token through the scheduler, as SGLang's /health and
+        /health_generate do: 200 once it is generated, 503 after HEALTH_CHECK_TIMEOUT
+        seconds. While paused nothing is generated, so the answer is 503 after the
+        timeout, as on SGLang (a client must not read that as a dead server)."""
         if not self.scheduler.alive:
             return web.Response(status=503)
-        if self.scheduler.paused is not None:
-            return web.Response(status=200)
+        deadline = time.monotonic() + HEALTH_CHECK_TIMEOUT
+        # SGLang holds a request at the tokenizer while paused (outside the scheduler, so
+        # it blocks no flush); so does this, polling for the continue.
+        while self.scheduler.paused is not None:
+            if time.monotonic() >= deadline:
+                return web.Response(status=503)
+            await asyncio.sleep(0.05)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         req = GenRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
                          params=SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}))
         self.scheduler.submit(req, lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)))
         try:
-            await asyncio.wait_for(fut, timeout=20)
+            await asyncio.wait_for(fut, timeout=max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             self.scheduler.abort(req.rid)
             return web.Response(status=503)
@@ -239,13 +252,19 @@ class EngineServer:
 
     async def model_info(self, request: web.Request) -> web.Response:
         cfg = self.runner.config
+        # The keys of sglang 0.5.23's /model_info (checked by tests/sglang/test_requests.py).
         return _json(
             {
                 "model_path": self.model_path,
+                "served_model_name": self.model_path,
                 "tokenizer_path": self.model_path if self.tokenizer is not None else None,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.weight_version,
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
                 "model_type": getattr(cfg, "model_type", None),
@@ -266,118 +285,13 @@ class EngineServer:
                      "decode_steps": s.steps}
                 ],
                 "startup_time": self.started,
-                "version": "megatron-tg-embedded",
+                "version": self.rules.version,  # the SGLang release whose rules it follows
                 "frontend": "embedded-cpu",
+                "tp_size": 1,
+                "pp_size": 1,
+                "dp_size": 1,
             }
         )
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return _json({"weight_version": self.weight_version})
-
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        if "new_version" not in body:
-            return _json({"success": False, "message": "new_version is required"}, 400)
-        if body.get("abort_all_requests", True):
-            self.scheduler.abort("", True)
-        self.weight_version = str(body["new_version"])
-        return _json({"success": True, "message": f"Weight version updated to {self.weight_version}",
-                      "new_version": self.weight_version})
-
-    async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await self._body(request) if request.method == "POST" else dict(request.query)
-        try:
-            t = self.loader._target(str(body["name"]))
-        except KeyError as exc:
-            return _error(str(exc))
-        n = int(body.get("truncate_size", 100))
-        return _json(t.detach()[:n].tolist() if t.dim() else t.item())
-
-    # ---- weight updates ---------------------------------------------------------------
-    async def _apply(self, named_tensors_fn, body: dict, what: str) -> tuple[bool, str]:
-        """Load tensors on the scheduler thread and bump the version there, atomically
-        with respect to generation steps, so meta_info.weight_version is exact."""
-        if body.get("abort_all_requests"):
-            self.scheduler.abort("", True)
-        new = body.get("weight_version")
-
-        def load():
-            n = self.loader.load(named_tensors_fn())
-            self.num_updates += 1
-            self.weight_version = str(new) if new is not None else str(self.num_updates)
-            return n
-
-        try:
-            n = await self._call(load, drain=True)
-        except Exception as exc:
-            log.exception("%s failed", what)
-            return False, f"Failed to update weights: {exc}"
-        return True, f"Succeeded to update model weights ({n} tensors)."
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._body(request)
-            path = str(body["model_path"])
-        except (RequestError, KeyError) as exc:
-            return _json({"success": False, "message": f"bad request: {exc}", "num_paused_requests": 0}, 400)
-        ok, msg = await self._apply(lambda: list(W.iter_checkpoint(path)), body, "update_weights_from_disk")
-        if ok:
-            self.model_path = path
-        return _json({"success": ok, "message": msg, "num_paused_requests": 0}, 200 if ok else 400)
-
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        try:
-            tensors = [nt for s in body["serialized_named_tensors"] for nt in W.decode_named_tensors(s)]
-        except Exception as exc:
-            return _json({"success": False, "message": f"cannot decode serialized_named_tensors: {exc}"}, 400)
-        ok, msg = await self._apply(lambda: tensors, body, "update_weights_from_tensor")
-        return _json({"success": ok, "message": msg}, 200 if ok else 400)
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        try:
-            name = body.get("group_name", "weight_update_group")
-            args = (body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-                    int(body["world_size"]), name, body.get("backend", "nccl"))
-        except (KeyError, ValueError) as exc:
-            return _json({"success": False, "message": f"bad request: {exc}"}, 400)
-        if args[5] != "gloo":
-            return _json({"success": False, "message": f"Failed to initialize custom process group: the embedded "
-                          f"CPU engine supports backend='gloo' only, got {args[5]!r}."}, 400)
-        try:
-            # The rendezvous blocks until the trainer (rank 0) joins: keep it off the loop.
-            group = await asyncio.to_thread(W.create_weight_update_group, *args)
-        except Exception as exc:
-            return _json({"success": False, "message": f"Failed to initialize custom process group: {exc}."}, 400)
-        self.groups[name] = group
-        return _json({"success": True, "message": "Succeeded to initialize custom process group."})
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        name = (await self._body(request)).get("group_name", "weight_update_group")
-        group = self.groups.pop(name, None)
-        if group is None:
-            return _json({"success": False, "message": "The group to be destroyed does not exist."}, 400)
-        group.close()
-        return _json({"success": True, "message": "Succeeded to destroy custom process group."})
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        name = body.get("group_name", "weight_update_group")
-        group = self.groups.get(name)
-        if group is None:
-            return _json({"success": False, "message": f"Group {name} not in {list(self.groups)}. "
-                          "Please call `init_weights_update_group` first."}, 400)
-        try:
-            # Receive right away (the trainer is already broadcasting); load between steps.
-            received = await asyncio.to_thread(
-                W.receive_broadcast, group, body["names"], body["dtypes"], body["shapes"], body.get("load_format")
-            )
-        except Exception as exc:
-            return _json({"success": False, "message": f"Failed to receive weights: {exc}"}, 400)
-        ok, msg = await self._apply(lambda: received, body, "update_weights_from_distributed")
-        return _json({"success": ok, "message": msg}, 200 if ok else 400)
-
 
 def _load_tokenizer(path: str):
     import glob

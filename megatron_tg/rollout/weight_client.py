@@ -1,0 +1,225 @@
+"""The client's weight-update calls, as SGLang accepts them (mixed into ``SGLangClient``).
+
+What each engine is and can do is read once, from ``/server_info`` (``/get_server_info``
+on servers that predate it): its SGLang version and its parallel sizes.
+
+* **Versions.** ``update_weights_from_distributed`` is used from SGLang 0.5.21 on
+  (:data:`MIN_SGLANG`): from 0.5.21 it must run inside ``/begin_weight_update`` ...
+  ``/end_weight_update`` (a bare call is refused with HTTP 400 before the engine joins
+  the broadcast), and from 0.5.21 a paused scheduler's ``/flush_cache`` ignores its
+  waiting queue, which is what lets a sync pause with ``retract`` and still flush. Older
+  servers are refused with an error naming the server and its version. 0.6 and later are
+  untested: a warning, then the same protocol.
+* **Group layout.** SGLang ranks each engine GPU ``rank_offset + tp_rank`` in the group,
+  so the group counts GPUs, not servers: ``world_size = 1 + sum(GPUs per engine)`` and
+  engine i gets ``rank_offset = 1 + GPUs of engines 0..i-1``. Engines with pipeline stages
+  (only ``tp_rank`` offsets a rank, so stages would collide) or data-parallel replicas
+  (SGLang asserts ``dp_size == 1`` for this call) are refused.
+* **Transport.** NCCL with GPU tensors on clusters, gloo on CPU; the trainer's side is
+  formed by :func:`~megatron_tg.rollout.engine.weights.init_weight_update_group`, the same
+  way SGLang forms the engines' side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from packaging.version import InvalidVersion, Version
+
+from .engine.weights import FlatBucket, WeightUpdateGroup, init_weight_update_group, send_tensors
+
+log = logging.getLogger(__name__)
+
+MIN_SGLANG = Version("0.5.21")
+"""Oldest SGLang whose weight-update rules this client follows (begin/end weight-update calls, a
+paused flush that ignores retracted requests)."""
+UNTESTED_FROM = Version("0.6")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One server's answer to /server_info, as far as weight sync needs it."""
+
+    url: str
+    version: str
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+
+    @property
+    def gpus(self) -> int:
+        """Members this engine adds to the weight-update group."""
+        return self.tp_size * self.pp_size * self.dp_size
+
+
+@dataclass
+class TrainerWeightGroup:
+    """Trainer-side handle of the weight-update group (the trainer is rank 0)."""
+
+    group: WeightUpdateGroup
+    group_name: str
+    servers: list[str]
+    rank_offsets: list[int]
+
+
+def check_weight_sync(info: EngineInfo) -> None:
+    """Raise if weights cannot be synced to this engine the way this client does it."""
+    from .client import SGLangClientError
+
+    try:
+        v = Version(info.version)
+    except InvalidVersion:
+        raise SGLangClientError(f"{info.url}: /server_info reports version {info.version!r}, not an SGLang "
+                                f"release; cannot tell which weight-update rules it follows") from None
+    if v < MIN_SGLANG:
+        raise SGLangClientError(
+            f"{info.url} runs SGLang {info.version}, older than {MIN_SGLANG}, the oldest release weight sync "
+            f"supports (it has no begin/end weight-update calls, and its flush fails while retracted "
+            f"requests wait); install sglang>={MIN_SGLANG},<{UNTESTED_FROM}")
+    if v >= UNTESTED_FROM:
+        log.warning("%s runs SGLang %s; weight sync was tested up to %s only", info.url, info.version, "0.5.23")
+    if info.pp_size > 1:
+        raise SGLangClientError(
+            f"{info.url} runs pp_size={info.pp_size}: SGLang ranks weight-update group members "
+            f"rank_offset + tp_rank only, so its pipeline stages would claim the same ranks; "
+            f"start rollout engines with pp_size=1")
+    if info.dp_size > 1:
+        raise SGLangClientError(
+            f"{info.url} runs dp_size={info.dp_size}: SGLang refuses update_weights_from_distributed with "
+            f"data-parallel replicas; start one engine per replica instead")
+
+
+def group_layout(infos: Sequence[EngineInfo]) -> tuple[int, list[int]]:
+    """(world_size, rank_offset per engine) of a group of the trainer plus these engines."""
+    offsets, nxt = [], 1
+    for info in infos:
+        offsets.append(nxt)
+        nxt += info.gpus
+    return nxt, offsets
+
+
+class _AdminCalls(Protocol):
+    admin_urls: list[str]
+
+    async def _call(self, url: str, method: str, path: str, body: Any = None,
+                    timeout_s: float | None = None) -> Any: ...
+
+    async def broadcast(self, method: str, path: str, body: Any = None, servers=None,
+                        strict: bool = False) -> dict[str, Any]: ...
+
+    async def _after_weight_update(self, ok: dict[str, Any], weight_version: str | None) -> None: ...
+
+
+class WeightUpdateCalls:
+    """Weight-update endpoints, mixed into ``SGLangClient`` (which provides what
+    :class:`_AdminCalls` lists). Every call here is strict: an engine that misses one
+    would serve other weights than the rest."""
+
+    _engine_infos: dict[str, EngineInfo]
+
+    async def engine_info(self, url: str) -> EngineInfo:
+        """Version and parallel sizes of one server (read once, then cached)."""
+        from .client import SGLangClientError
+
+        cache = self._engine_infos
+        if url not in cache:
+            try:
+                body = await self._call(url, "GET", "/server_info")
+            except SGLangClientError as exc:
+                if "HTTP 404" not in str(exc):
+                    raise
+                body = await self._call(url, "GET", "/get_server_info")  # before /server_info existed
+            if not isinstance(body, dict) or "version" not in body:
+                raise SGLangClientError(f"{url}/server_info: expected a JSON object with 'version', got {body!r:.200}")
+            cache[url] = EngineInfo(url, str(body["version"]), int(body.get("tp_size") or 1),
+                                    int(body.get("pp_size") or 1), int(body.get("dp_size") or 1))
+        return cache[url]
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        group_name: str = "weight_update_group", backend: str = "gloo",
+                                        servers: Sequence[str] | None = None,
+                                        timeout_s: float = 300.0) -> TrainerWeightGroup:
+        """Form the trainer(rank 0)-to-engines group, laid out by each engine's GPU count."""
+        from .client import SGLangClientError
+
+        urls = list(servers) if servers is not None else list(self.admin_urls)
+        infos = [await self.engine_info(u) for u in urls]
+        for info in infos:
+            check_weight_sync(info)
+        world, offsets = group_layout(infos)
+        posts = [self._call(u, "POST", "/init_weights_update_group",
+                            {"master_address": master_address, "master_port": int(master_port),
+                             "rank_offset": off, "world_size": world, "group_name": group_name,
+                             "backend": backend})
+                 for u, off in zip(urls, offsets)]
+        mine = asyncio.to_thread(init_weight_update_group, master_address, master_port, 0, world,
+                                 group_name, backend, timeout_s)
+        results = await asyncio.gather(mine, *posts, return_exceptions=True)
+        errors = [(u, r) for u, r in zip(["<trainer>"] + urls, results) if isinstance(r, BaseException)]
+        if errors:
+            if not isinstance(results[0], BaseException):
+                results[0].close()
+            raise SGLangClientError(f"init_weights_update_group failed: {errors}", errors=errors)
+        return TrainerWeightGroup(results[0], group_name, urls, offsets)
+
+    async def begin_weight_update(self, group: TrainerWeightGroup) -> dict[str, Any]:
+        return await self.broadcast("POST", "/begin_weight_update", {}, servers=group.servers, strict=True)
+
+    async def end_weight_update(self, group: TrainerWeightGroup) -> dict[str, Any]:
+        return await self.broadcast("POST", "/end_weight_update", {}, servers=group.servers, strict=True)
+
+    async def update_weights_from_distributed(
+        self, group: TrainerWeightGroup, tensors: FlatBucket | Sequence[tuple[str, Any]], *,
+        weight_version: str | None = None, flush_cache: bool = False,
+    ) -> dict[str, Any]:
+        """Broadcast one bucket (``FlatBucket``: ``load_format="flattened_bucket"``) or a
+        list of tensors (one broadcast each) while every engine's HTTP call is open.
+
+        ``flush_cache`` defaults to False: a sync flushes once, after its last bucket
+        (:meth:`flush_cache`); SGLang's default of True fails on a busy engine."""
+        from .client import SGLangClientError
+        from .engine.weights import describe
+
+        if isinstance(tensors, FlatBucket):
+            fields = {"names": tensors.names, "dtypes": tensors.dtypes, "shapes": tensors.shapes,
+                      "load_format": "flattened_bucket"}
+            flat = tensors.flat()
+            sent = asyncio.to_thread(group.group.broadcast, flat)
+        else:
+            fields = describe(tensors)
+            sent = asyncio.to_thread(send_tensors, group.group, tensors)
+        body = {**fields, "group_name": group.group_name, "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        posts = [asyncio.ensure_future(self._call(u, "POST", "/update_weights_from_distributed", body))
+                 for u in group.servers]
+        results = await asyncio.gather(sent, *posts, return_exceptions=True)
+        errors = [(u, r) for u, r in zip(["<trainer>"] + group.servers, results) if isinstance(r, BaseException)]
+        if errors:
+            raise SGLangClientError(f"update_weights_from_distributed failed: {errors}", errors=errors)
+        ok = dict(zip(group.servers, results[1:]))
+        if weight_version is not None:
+            await self._after_weight_update(ok, weight_version)
+        return ok
+
+    async def update_weight_version(self, version: str, servers: Sequence[str] | None = None) -> dict[str, Any]:
+        """Set the version engines report (requests keep running: abort_all_requests=False)."""
+        ok = await self.broadcast("POST", "/update_weight_version",
+                                  {"new_version": str(version), "abort_all_requests": False},
+                                  servers=servers, strict=True)
+        await self._after_weight_update(ok, str(version))
+        return ok
+
+    async def weights_checker(self, action: str, servers: Sequence[str] | None = None) -> dict[str, Any]:
+        """SGLang's /weights_checker: "snapshot", "reset_tensors", "compare" or "checksum"."""
+        return await self.broadcast("POST", "/weights_checker", {"action": action}, servers=servers, strict=True)
+
+    async def destroy_weights_update_group(self, group: TrainerWeightGroup) -> None:
+        try:
+            await self.broadcast("POST", "/destroy_weights_update_group", {"group_name": group.group_name},
+                                 servers=group.servers)
+        finally:
+            group.group.close()
