@@ -29,8 +29,10 @@ H100_BF16_PEAK_FLOPS = 989e12
 # rollouts are not that benchmark; the first GPU run must measure ours.
 ASSUMED_MFU = 0.12
 # SGLang serving Qwen3-30B-A3B on H100: 1,627 output tokens/s (Neural Nova's published
-# baseline sweep, "Getting More Out of SGLang", 2026). Decode is bound by reading the active
-# weights, so other models are scaled by active parameters; per engine, not per GPU.
+# baseline sweep, "Getting More Out of SGLang", 2026; its GPU count per server is not
+# stated, so it is taken as one engine's rate). Decode is bound by reading the active
+# weights, so other models are scaled by active parameters. A rough figure: --engine-tokens-per-s
+# replaces it, and the first GPU run must measure it.
 ENGINE_TOKENS_PER_S_30B = 1627.0
 ACTIVE_PARAMS_30B = 3.35e9
 # Judge transcripts: characters per token of English text and code (tiktoken-style BPE rule of
