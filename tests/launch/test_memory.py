@@ -55,14 +55,16 @@ def test_analytic_shards_equal_the_builder(d, layout):
         [(s.dense_params, s.expert_params) for s in ours]
 
 
-def test_30b_shards_equal_the_builder_at_the_recipe_layout():
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_shards_equal_the_builder_at_the_recipe_layout(recipe):
     from megatron_tg.models.describe import built_shards
 
-    arch = Qwen3Arch.from_hf(str(HF / RECIPES["tg_30b"]))
-    built = built_shards(arch, tp=2, ep=8, etp=1)
-    ours = rank_shards(arch, ParallelDims(16, tp=2, ep=8, etp=1))
-    assert (built[0]["dense_params"], built[0]["expert_params"]) == \
-        (ours[0].dense_params, ours[0].expert_params)
+    cfg = load_config(ROOT / "recipes" / f"{recipe}.yaml", [f"model.hf_config={HF / RECIPES[recipe]}"])
+    dims = cfg.layout(cfg.parallel.default_world_size())
+    arch = Qwen3Arch.from_hf(str(HF / RECIPES[recipe]))
+    built = built_shards(arch, tp=dims.tp, ep=dims.ep, pp=dims.pp, etp=dims.etp)
+    assert [(s["dense_params"], s["expert_params"]) for s in built] == \
+        [(s.dense_params, s.expert_params) for s in rank_shards(arch, dims)]
 
 
 def _measure_rank(rank, world, hfs, layout):
