@@ -42,6 +42,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "describe": Subcommand("megatron_tg.models.describe",
                            "parameter counts and per-rank shard sizes of an HF Qwen3(-MoE) "
                            "config, built on the meta device"),
+    "memory": Subcommand("megatron_tg.launch.memory",
+                         "per-GPU memory plan of a recipe, term by term per role, and its time "
+                         "per step; exit 1 when it does not fit"),
     "convert": Subcommand("megatron_tg.convert.command",
                           "convert checkpoints: hf-to-megatron or megatron-to-hf"),
     "vet": Subcommand("megatron_tg.judge.vetting",

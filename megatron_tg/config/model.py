@@ -13,6 +13,7 @@ from megatron_tg.config.base import ConfigError, check_choice, check_range
 
 PARAMS_DTYPES = ("float32", "bfloat16")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+RECOMPUTE_MODES = ("none", "selective", "full")  # megatron_tg.models.qwen3_moe.config maps them
 
 # Keys under which HF configs of MoE families store the routed-expert count.
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -46,12 +47,22 @@ class ModelConfig:
     """Layer implementation: "transformer_engine" (GPU), "local" (plain torch, runs on CPU),
     "auto" = transformer_engine when CUDA is available, else local."""
 
+    recompute: str = "none"
+    """Activation recompute of the policy and of any separate expert copy (megatron-core's
+    recompute settings; the mapping is ``recompute_kwargs`` in megatron_tg/models/qwen3_moe/
+    config.py): "none" = keep every activation for backward; "selective" = recompute the
+    attention kernel and, for MoE models, the routed-expert layer (which then keeps only its
+    input); "full" = every transformer layer keeps only its input and reruns its forward in
+    backward (one more forward pass of compute, the least memory). ``megatron-tg memory``
+    prints what each leaves per GPU."""
+
     def validate(self) -> None:
         if not self.hf_config or self.hf_config == MISSING:
             raise ConfigError(f"model.hf_config: required (a config.json or model dir); got {self.hf_config!r}")
         check_choice("model.params_dtype", self.params_dtype, PARAMS_DTYPES)
         check_choice("model.transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
         check_range("model.seq_length", self.seq_length, ge=1)
+        check_choice("model.recompute", self.recompute, RECOMPUTE_MODES)
 
     def hf_config_file(self) -> Path:
         """The ``config.json`` that ``hf_config`` points at (it may not exist on this machine)."""

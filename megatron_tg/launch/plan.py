@@ -206,6 +206,7 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
     except ConfigError as exc:
         raise PlanError(f"train: {train_nodes} nodes x {gpn} GPUs = {world} ranks do not fit the "
                         f"layout ({exc}); use a multiple of {node_step} trainer nodes") from exc
+    notes += _memory_check(cfg, world, accel)
 
     r = cfg.rollout
     want_engines = r.engine == "sglang" and not r.server_urls
@@ -375,6 +376,14 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         judge_model=judge_model if start_judge else "",
         judge_name=judge_name if judge_url else "", judge_url=judge_url, router_url=router_url,
         servers=servers, steps=steps, train_args=train_args, notes=notes, blockers=blockers)
+
+
+def _memory_check(cfg: TGConfig, world: int, accel: str) -> list[str]:
+    """Refuse a recipe that does not fit its GPUs (megatron_tg/launch/memory.py); its time plan
+    becomes notes. Imported here: it needs torch, the rest of the planner does not."""
+    from megatron_tg.launch.memory import launch_check
+
+    return launch_check(cfg, world, accel)
 
 
 def engine_flags(r: RolloutConfig) -> list[str]:

@@ -69,7 +69,8 @@ class Trainer:
         self.arch = Qwen3Arch.from_hf(cfg.model.hf_config)
         dtype = _DTYPES[cfg.model.params_dtype]
         model = build_model(self.arch, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
-                            params_dtype=dtype, seq_length=cfg.model.seq_length)
+                            params_dtype=dtype, seq_length=cfg.model.seq_length,
+                            recompute=cfg.model.recompute)
         self._load_initial_weights(model)
         self.model = DistributedDataParallel(
             config=model.config, module=model,
@@ -134,7 +135,8 @@ class Trainer:
             return None
         p = self.cfg.parallel
         expert = build_model(self.arch, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
-                             params_dtype=dtype, seq_length=self.cfg.model.seq_length)
+                             params_dtype=dtype, seq_length=self.cfg.model.seq_length,
+                             recompute=self.cfg.model.recompute)
         expert.load_state_dict(policy.state_dict())
         for param in expert.parameters():
             param.requires_grad_(False)

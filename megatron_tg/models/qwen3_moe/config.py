@@ -188,9 +188,10 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
 def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                        etp: int | None = None, params_dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool | None = None, on_cpu: bool | None = None,
-                       moe_aux_loss_coeff: float = 0.0, recompute: bool = False,
+                       moe_aux_loss_coeff: float = 0.0, recompute: str = "none",
                        perform_initialization: bool = True):
-    """Build the megatron ``TransformerConfig`` for ``arch`` under a parallel layout."""
+    """Build the megatron ``TransformerConfig`` for ``arch`` under a parallel layout.
+    ``recompute`` is one of :data:`RECOMPUTE_MODES` (see :func:`recompute_kwargs`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = (not torch.cuda.is_available()) if on_cpu is None else on_cpu
@@ -218,20 +219,52 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, cp: int = 1
         pipeline_dtype=params_dtype, use_cpu_initialization=on_cpu,
         perform_initialization=perform_initialization,
     )
-    if recompute:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    grouped_gemm = arch.is_moe and not on_cpu and _have_grouped_gemm()
+    kwargs.update(recompute_kwargs(recompute, is_moe=arch.is_moe, grouped_gemm=grouped_gemm))
     if arch.is_moe:
         kwargs.update(
             num_moe_experts=arch.num_experts, moe_router_topk=arch.num_experts_per_tok,
             moe_ffn_hidden_size=arch.moe_intermediate_size, moe_layer_freq=moe_layer_freq,
             moe_router_pre_softmax=not arch.norm_topk_prob, moe_router_score_function="softmax",
             moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=not on_cpu and _have_grouped_gemm(),
+            moe_grouped_gemm=grouped_gemm,
             moe_aux_loss_coeff=moe_aux_loss_coeff,
             moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
             moe_permute_fusion=False,
         )
     return TransformerConfig(**kwargs)
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def recompute_kwargs(mode: str, *, is_moe: bool, grouped_gemm: bool) -> dict[str, Any]:
+    """megatron-core's recompute settings for ``model.recompute``.
+
+    * ``none``: every activation is kept for backward.
+    * ``selective``: granularity "selective" with ``recompute_modules`` = ``core_attn`` (the
+      attention kernel; cheap to redo, and with an unfused backend the score matrix), ``mlp``
+      (dense layers' MLP) and for MoE models ``moe`` (the whole routed-expert layer keeps only its input: the expert
+      activations, top-k copies of every token, are most of an MoE layer's memory; redoing it
+      repeats its token all-to-alls). Layer inputs and attention projections stay stored.
+    * ``full``: granularity "full", method "uniform", one layer per unit: each transformer
+      layer keeps only its input (2 bytes x hidden per token, sharded by sequence
+      parallelism) and reruns its forward in backward (one more forward pass of compute).
+
+    ``moe_act`` (output-discarding recompute of the expert activation) needs grouped GEMM
+    in megatron; it is added to ``selective`` only where grouped GEMM is on.
+    """
+    if mode not in RECOMPUTE_MODES:
+        raise UnsupportedConfigError(f"recompute={mode!r}: must be one of {', '.join(RECOMPUTE_MODES)}")
+    if mode == "none":
+        return {}
+    if mode == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    # "mlp" applies to dense layers only (megatron skips it on MoE layers), "moe" to MoE ones.
+    modules = ["core_attn", "mlp"] + (["moe"] if is_moe else [])
+    if is_moe and grouped_gemm:
+        modules.append("moe_act")
+    return dict(recompute_granularity="selective", recompute_modules=modules)
 
 
 def _have_grouped_gemm() -> bool:

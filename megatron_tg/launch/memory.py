@@ -1,0 +1,419 @@
+"""``megatron-tg memory``: the per-GPU memory plan of a recipe, term by term, per role.
+
+    megatron-tg memory --recipe recipes/tg_30b.yaml \\
+        model.hf_config=tests/fixtures/hf_configs/qwen3-coder-30b-a3b-instruct.json
+
+Trainer GPU (the most loaded pipeline stage; bytes per GPU):
+
+* ``weights``      local parameters x params_dtype bytes; shards from :func:`rank_shards`
+  (TP splits attention/vocabulary, EP x ETP the experts, PP the layers), which the tests hold
+  equal to the real builder on the meta device (:func:`~megatron_tg.models.describe.built_shards`);
+* ``gradients``    4 B per local parameter: the trainer's DDP reduces in fp32 (``grad_reduce_in_fp32``);
+* ``optimizer``    fp32 master weights (bf16 params only) + Adam m and v; with the distributed
+  optimizer the dense part is sharded over DP x CP ranks and the experts over expert-DP;
+* ``activations``  what autograd keeps for one micro-batch of ``optimizer.micro_batch_tokens``
+  (:func:`activation_bytes`), times the micro-batches a 1F1B pipeline holds on stage 0;
+* ``kl_chunks``    the vocab-parallel ops' blocks: 4.3 x chunk x V/TP fp32 (measured by
+  benchmarks/kl_memory.py, benchmarks/README.md) plus the expert's final hidden states, kept
+  for the KL until the student pass;
+* ``expert_copy``  objective.expert: "frozen" = bf16 weights; "ema" = bf16 weights plus an fp32
+  copy sharded over data-parallel ranks like the optimizer's master weights; "shared" = 0;
+* ``weight_sync``  one TP-merged, EP-gathered parameter (the largest) plus one bucket
+  (rollout.sync_bucket_mb), when SGLang engines receive weights;
+* ``runtime``      CUDA context, NCCL communicators and allocator slack: an assumption
+  (:data:`RUNTIME_RESERVE_GIB`), to be replaced by the first GPU run's measurement.
+
+Engine GPU (SGLang preallocates): its share of the bf16 weights, the KV cache that
+``mem_fraction_static`` leaves, and whether the in-flight rollouts at full context fit in it.
+
+The plan fits when every role's total is at most :data:`USABLE_FRACTION` of the GPU. The last
+line printed is JSON: the terms and ``total_gib`` per role, and the time plan
+(:mod:`megatron_tg.launch.timeplan`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from megatron_tg.config import ConfigError, TGConfig, load_config
+from megatron_tg.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:  # the model module imports torch: only where a plan is computed
+    from megatron_tg.models.qwen3_moe.config import Qwen3Arch
+
+GIB = 2 ** 30
+# nvidia-smi reports 81,559 MiB on an H100 SXM5 80GB; that is what a process can ask for.
+H100_MEMORY_GIB = 81_559 / 1024
+# Headroom for fragmentation of PyTorch's caching allocator and for estimates that are low:
+# a plan must leave 10 % of the GPU free.
+USABLE_FRACTION = 0.90
+# Assumed, not measured here: CUDA context (~0.5 GiB on H100), NCCL communicator buffers for
+# the TP/EP/DP/PP groups and the caching allocator's slack. The first GPU run must measure it.
+RUNTIME_RESERVE_GIB = 3.0
+# benchmarks/kl_memory.py: the ops' peak extra memory is about 4.3 blocks of chunk x V/TP fp32.
+KL_BLOCKS = 4.3
+# Expert tokens per rank relative to the balanced mean (dropless routing can exceed it). 1.0 is
+# the mean; the first GPU run must measure the peak.
+ROUTING_IMBALANCE = 1.0
+BF16, FP32 = 2, 4
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Parameters one rank of one pipeline stage holds."""
+
+    pp_stage: int
+    dense_params: int
+    expert_params: int
+    largest_merged_param: int
+    """Elements of the largest parameter after TP merge (what weight sync materialises at once)."""
+
+    @property
+    def params(self) -> int:
+        return self.dense_params + self.expert_params
+
+
+def rank_shards(arch: Qwen3Arch, dims: ParallelDims) -> list[Shard]:
+    """Per pipeline stage: the parameters megatron-core gives one rank (analytic; equal to
+    :func:`~megatron_tg.models.describe.built_shards`, which builds the model to count)."""
+    from megatron_tg.models.qwen3_moe.config import padded_vocab_size
+
+    h, hd, tp = arch.hidden_size, arch.head_dim, dims.tp
+    vpad = padded_vocab_size(arch.vocab_size, tp)
+    # megatron replicates key/value heads when TP exceeds them (tp % groups == 0).
+    kv_local = max(arch.num_key_value_heads // tp, 1)
+    attn = (h * (arch.num_attention_heads // tp) * hd * 2          # q and o projections
+            + 2 * h * kv_local * hd + 2 * hd + 2 * h)               # k, v, q/k norms, 2 layer norms
+    if arch.attention_bias:
+        attn += (arch.num_attention_heads // tp + 2 * kv_local) * hd
+    per_stage = arch.num_layers // dims.pp
+    shards = []
+    for stage in range(dims.pp):
+        dense = expert = 0
+        for i in range(stage * per_stage, (stage + 1) * per_stage):
+            dense += attn
+            if arch.is_moe_layer(i):
+                dense += arch.num_experts * h  # the router is replicated over TP
+                expert += (arch.num_experts // dims.ep) * 3 * h * arch.moe_intermediate_size // dims.etp
+            else:
+                dense += 3 * h * arch.intermediate_size // tp
+        if stage == 0:
+            dense += vpad // tp * h
+        if stage == dims.pp - 1:
+            dense += h + (0 if arch.tie_word_embeddings and dims.pp == 1 else vpad // tp * h)
+        shards.append(Shard(stage, dense, expert, vpad * h))
+    return shards
+
+
+def _layer_bytes_per_token(arch: Qwen3Arch, dims: ParallelDims, moe: bool, recompute: str) -> float:
+    """Bytes autograd keeps for one token of one layer on one rank (bf16 activations, fp32
+    router statistics), with sequence parallelism sharding the hidden-sized tensors over TP
+    and TP the head- and ffn-sized ones. Flash/fused attention (TE) keeps q, k, v, its
+    output and an fp32 log-sum-exp per head: no score matrix."""
+    h, hd, tp = arch.hidden_size, arch.head_dim, dims.tp
+    nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
+    attn = (BF16 * h * 2                          # input norm input, qkv projection input
+            + BF16 * (nq + nkv) * hd              # q/k norm inputs
+            + BF16 * (2 * nq + 2 * nkv) * hd      # attention q, k, v and output (= o-proj input)
+            + FP32 * nq) / tp                     # log-sum-exp
+    if moe:
+        e, k, f, etp = arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size, dims.etp
+        token = (BF16 * 2 * h + FP32 * 2 * e) / tp  # norm input, router input, logits, probs
+        # Each rank's tokens are routed top-k times; expert-TP ranks all see their group's tokens.
+        copies = k * etp * ROUTING_IMBALANCE / tp
+        per_copy = BF16 * (h + 2 * f / etp + f / etp + h)  # fc1 in, fc1 out, act out, fc2 out
+        mlp = token + copies * per_copy
+        if recompute == "selective":  # "moe": the layer keeps only its input
+            mlp = BF16 * 2 * h / tp
+    else:
+        f = arch.intermediate_size
+        mlp = (BF16 * 2 * h + BF16 * 3 * f) / tp  # norm input, fc1 input, fc1 out (2f), act out
+        if recompute == "selective":  # "mlp": keeps only its input
+            mlp = BF16 * 2 * h / tp
+    return attn + mlp
+
+
+def activation_bytes(arch: Qwen3Arch, dims: ParallelDims, tokens: int, recompute: str,
+                     in_flight: int) -> dict[str, float]:
+    """Activation memory of the most loaded (first) pipeline stage for micro-batches of
+    ``tokens`` tokens, ``in_flight`` of them held at once (1F1B: up to pp)."""
+    per_stage = arch.num_layers // dims.pp
+    layers = range(per_stage)  # stage 0
+    t_rank = tokens / dims.cp
+    kinds = [arch.is_moe_layer(i) for i in layers]
+    kept = [_layer_bytes_per_token(arch, dims, m, recompute) * t_rank for m in kinds]
+    if recompute == "full":
+        stored = BF16 * arch.hidden_size * t_rank / dims.tp * len(kinds)  # each layer's input
+        # backward reruns one layer at a time, holding all of its activations
+        working = max(_layer_bytes_per_token(arch, dims, m, "none") * t_rank for m in set(kinds))
+    else:
+        stored, working = sum(kept), 0.0
+    # the last norm's output feeds the (chunked) output layer, gathered over SP
+    outside = BF16 * arch.hidden_size * t_rank  # on the last stage; counted as if on stage 0
+    return {"layers": stored * in_flight, "recompute_working_set": working, "output_input": outside}
+
+
+def korthikanti_layer_bytes(tokens: int, hidden: int, heads: int, tp: int, recompute: str) -> float:
+    """Activation bytes per transformer layer from Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", Table 2, with tensor + sequence parallelism
+    (s·b = ``tokens``): none = sbh(34 + 5as/h)/t; selective = 34 sbh/t; full = 2 sbh/t.
+    Its GPT layer has a 4h GELU MLP, dropout and an unfused softmax; megatron's
+    ``theoretical_memory_usage.compute_activation_memory`` uses the same 34 (as 18 + 4 ffn/h)."""
+    sbh = tokens * hidden
+    if recompute == "full":
+        return 2 * sbh / tp
+    if recompute == "selective":
+        return 34 * sbh / tp
+    return sbh * (34 + 5 * heads * tokens / hidden) / tp
+
+
+@dataclass
+class RolePlan:
+    """The memory terms of one role's GPU, in bytes."""
+
+    role: str
+    terms: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+    capacity_gib: float = H100_MEMORY_GIB
+    kv: dict[str, Any] = field(default_factory=dict)
+    """Engines only: KV-cache tokens, what the in-flight rollouts need, fit or queue."""
+    fixes: dict[str, str] = field(default_factory=dict)
+    """Per term, the setting that shrinks it here, where it differs from :data:`FIXES`."""
+    usable_fraction: float = USABLE_FRACTION
+    """Share of the GPU the terms may take. Engines: 1.0, SGLang's reserve is one of the terms."""
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    def fits(self) -> bool:
+        if self.kv and self.kv["rollouts_at_full_context"] < 1:
+            return False  # an engine must hold at least one whole rollout
+        return self.total <= self.usable_fraction * self.capacity_gib * GIB + 1  # + rounding
+
+    def largest(self) -> str:
+        return max(self.terms, key=self.terms.get)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"terms_gib": {k: round(v / GIB, 3) for k, v in self.terms.items()},
+                "total_gib": round(self.total / GIB, 3), "fits": self.fits(), "notes": self.notes}
+
+
+def _in_flight(cfg: TGConfig, dims: ParallelDims, rollout_tokens: int) -> int:
+    """Micro-batches a 1F1B schedule holds on stage 0: min(pp, micro-batches per step)."""
+    r = cfg.rollout
+    per_rank = r.prompts_per_step * r.group_size * rollout_tokens / dims.dp
+    return min(dims.pp, max(1, math.ceil(per_rank / cfg.optimizer.micro_batch_tokens)))
+
+
+def train_plan(cfg: TGConfig, arch: Qwen3Arch, dims: ParallelDims) -> RolePlan:
+    from megatron_tg.models.qwen3_moe.config import padded_vocab_size
+
+    shards = rank_shards(arch, dims)
+    s = max(shards, key=lambda x: x.params)
+    wb = BF16 if cfg.model.params_dtype == "bfloat16" else FP32
+    opt_per_param = (FP32 if wb == BF16 else 0) + 2 * FP32  # master copy + Adam m, v
+    dense_shard = dims.dp * dims.cp if cfg.parallel.use_distributed_optimizer else 1
+    expert_shard = dims.edp if cfg.parallel.use_distributed_optimizer else 1
+    sharded = s.dense_params / dense_shard + s.expert_params / expert_shard
+    mbt = cfg.optimizer.micro_batch_tokens
+    act = activation_bytes(arch, dims, mbt, cfg.model.recompute,
+                           _in_flight(cfg, dims, cfg.rollout.max_context_tokens))
+    vpad = padded_vocab_size(arch.vocab_size, dims.tp)
+    chunk = min(cfg.objective.logits_chunk_size, mbt)
+    kl = KL_BLOCKS * chunk * vpad / dims.tp * FP32
+    if cfg.objective.mode not in ("grpo",):
+        kl += BF16 * arch.hidden_size * mbt / dims.cp  # the expert's final hidden states
+    expert = {"shared": 0.0, "frozen": wb * s.params,
+              "ema": wb * s.params + FP32 * sharded}[cfg.objective.expert]
+    syncs = cfg.rollout.engine == "sglang"
+    sync = (BF16 * s.largest_merged_param + cfg.rollout.sync_bucket_mb * 2 ** 20) if syncs else 0.0
+    terms = {"weights": wb * s.params, "gradients": FP32 * s.params,
+             "optimizer": opt_per_param * sharded, "activations": act["layers"],
+             "recompute_working_set": act["recompute_working_set"],
+             "output_layer_input": act["output_input"], "kl_chunks": kl, "expert_copy": expert,
+             "weight_sync": sync, "runtime": RUNTIME_RESERVE_GIB * GIB}
+    notes = [f"stage {s.pp_stage} of {dims.pp}: {s.dense_params:,} dense + {s.expert_params:,} "
+             f"expert params per GPU; recompute={cfg.model.recompute}, micro-batch {mbt:,} tokens"]
+    fixes = {}
+    if cfg.parallel.use_distributed_optimizer:
+        fixes["optimizer"] = (f"more trainer nodes (parallel.nodes={cfg.parallel.nodes}: the optimizer "
+                              f"already shards over dp={dims.dp * dims.cp}, edp={dims.edp})")
+    return RolePlan("train", terms, notes, fixes=fixes)
+
+
+def sglang_default_mem_fraction(gpu_mib: float, tp: int) -> float:
+    """SGLang 0.5.23's default ``mem_fraction_static`` for an 80 GB-class GPU, restated from
+    ``sglang/srt/arg_groups/memory_hook.py`` (``handle_gpu_memory_settings``): reserve
+    512 MiB + 1.5 MiB x chunked-prefill tokens (8,192 on 60-90 GiB GPUs) + tp/8 GiB + 2 MiB x
+    decode CUDA-graph batch (256 below tp 4, else 512), at least 10 GiB. The launcher passes no
+    ``--mem-fraction-static``, so this is what the engines run with."""
+    reserved = 512 + 8192 * 1.5 + tp / 8 * 1024 + 2 * (256 if tp < 4 else 512)
+    reserved = max(reserved, 10 * 1024)
+    return round((gpu_mib - reserved) / gpu_mib, 3)
+
+
+def engine_plan(cfg: TGConfig, arch: Qwen3Arch, total_params: int,
+                mem_fraction: float | None = None) -> RolePlan:
+    r = cfg.rollout
+    tp = r.engine_tp
+    gpu_mib = H100_MEMORY_GIB * 1024
+    frac = sglang_default_mem_fraction(gpu_mib, tp) if mem_fraction is None else mem_fraction
+    weights = BF16 * total_params / tp
+    kv_heads = max(arch.num_key_value_heads / tp, 1)  # heads replicate past TP = groups
+    kv_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * BF16
+    pool = frac * gpu_mib * 2 ** 20 - weights
+    kv_tokens = max(int(pool // kv_per_token), 0)
+    inflight = r.max_inflight_rollouts or r.buffer_size * r.group_size
+    per_engine = math.ceil(inflight / max(r.num_engines, 1))
+    need = per_engine * r.max_context_tokens
+    concurrent = kv_tokens // r.max_context_tokens
+    terms = {"weights": weights, "kv_cache": max(pool, 0.0),
+             "sglang_reserved": (1 - frac) * gpu_mib * 2 ** 20}
+    verdict = "fit" if need <= kv_tokens else "queue"
+    notes = [f"mem_fraction_static={frac} ({'SGLang default' if mem_fraction is None else 'given'}); "
+             f"KV cache {kv_tokens:,} tokens per engine ({kv_per_token:,} B/token/GPU)",
+             f"in flight: {per_engine} rollouts per engine x {r.max_context_tokens:,} tokens = "
+             f"{need:,} tokens: {verdict} ({concurrent} rollouts at full context fit at once)"]
+    plan = RolePlan("engine", terms, notes, usable_fraction=1.0, kv={"kv_tokens": kv_tokens, "needed_tokens": need, "rollouts_at_full_context": concurrent,
+               "in_flight_per_engine": per_engine, "in_flight": verdict, "mem_fraction_static": frac})
+    if pool <= 0:
+        plan.notes.append(f"weights {weights / GIB:.1f} GiB exceed mem_fraction_static x GPU: "
+                          "raise rollout.engine_tp")
+    return plan
+
+
+# settings that shrink each term, for the refusal message
+FIXES = {
+    "weights": "parallel.ep / parallel.tp / parallel.pp (shard the weights over more GPUs)",
+    "gradients": "parallel.ep / parallel.tp / parallel.pp (fewer local parameters)",
+    "optimizer": "parallel.use_distributed_optimizer=true or more trainer nodes (larger DP / expert-DP)",
+    "activations": "model.recompute=full, a smaller optimizer.micro_batch_tokens, or parallel.cp / parallel.tp",
+    "recompute_working_set": "a smaller optimizer.micro_batch_tokens or parallel.cp / parallel.tp",
+    "output_layer_input": "a smaller optimizer.micro_batch_tokens or parallel.cp",
+    "kl_chunks": "a smaller objective.logits_chunk_size",
+    "expert_copy": "objective.expert=shared, or more trainer nodes (EMA's fp32 copy shards over DP)",
+    "weight_sync": "a smaller rollout.sync_bucket_mb",
+    "runtime": "nothing in the recipe (CUDA/NCCL reserve)",
+    "kv_cache": "rollout.engine_tp (more GPUs per engine)",
+    "sglang_reserved": "SGLang's --mem-fraction-static",
+}
+
+
+@dataclass
+class MemoryPlan:
+    recipe: str
+    layout: dict[str, int]
+    total_params: int
+    active_params: int
+    roles: dict[str, RolePlan]
+
+    def refusal(self) -> str | None:
+        """None when every role fits; else a sentence naming the largest term and its fix."""
+        for plan in self.roles.values():
+            if not plan.fits():
+                big = plan.largest()
+                if plan.kv and plan.kv["rollouts_at_full_context"] < 1:
+                    return (f"memory: an engine's KV cache holds {plan.kv['kv_tokens']:,} tokens, less "
+                            f"than one rollout of rollout.max_context_tokens: set {FIXES['kv_cache']}")
+                return (f"memory: the {plan.role} GPU needs {plan.total / GIB:.1f} GiB, more than "
+                        f"{plan.usable_fraction:.0%} of {plan.capacity_gib:.1f} GiB; largest term {big} = "
+                        f"{plan.terms[big] / GIB:.1f} GiB: set {plan.fixes.get(big, FIXES[big])}")
+        return None
+
+
+def memory_plan(cfg: TGConfig, recipe: str = "", world_size: int | None = None,
+                mem_fraction: float | None = None) -> MemoryPlan:
+    """The plan of ``cfg``; the HF config must be on this machine (model.hf_config)."""
+    from megatron_tg.models.describe import param_counts
+    from megatron_tg.models.qwen3_moe.config import Qwen3Arch
+
+    if cfg.model.read_hf_config() is None:
+        raise ConfigError(f"model.hf_config: {str(cfg.model.hf_config_file())!r} not found; the memory "
+                          "plan needs the model's config.json (e.g. model.hf_config=PATH)")
+    arch = Qwen3Arch.from_hf(str(cfg.model.hf_config_file()))
+    dims = cfg.layout(world_size or cfg.parallel.default_world_size())
+    counts = param_counts(arch)
+    roles = {"train": train_plan(cfg, arch, dims)}
+    if cfg.rollout.engine == "sglang":
+        roles["engine"] = engine_plan(cfg, arch, counts["total_params"], mem_fraction)
+    return MemoryPlan(recipe, dims.describe(), counts["total_params"], counts["active_params"], roles)
+
+
+class DoesNotFit(ConfigError):
+    """A recipe whose memory plan exceeds a GPU; the message names the term and the fix."""
+
+
+def launch_check(cfg: TGConfig, world_size: int, accel: str) -> list[str]:
+    """The launch planner's hook: raise :class:`DoesNotFit` for a plan that does not fit, else
+    the plan's one-line summary and its time per step, as notes. Nothing for CPU plans, nor
+    when the model's config.json is not on this machine (``megatron-tg memory`` says so)."""
+    if accel != "gpu" or cfg.model.read_hf_config() is None:
+        return []
+    from megatron_tg.launch import timeplan
+
+    plan = memory_plan(cfg, world_size=world_size)
+    refusal = plan.refusal()
+    if refusal:
+        raise DoesNotFit(refusal)
+    train = plan.roles["train"]
+    summary = f"train {train.total / GIB:.1f} of {H100_MEMORY_GIB:.1f} GiB"
+    engine = plan.roles.get("engine")
+    if engine is not None:
+        kv = engine.kv
+        summary += (f"; engine weights {engine.terms['weights'] / GIB:.1f} GiB, KV cache "
+                    f"{kv['kv_tokens']:,} tokens ({kv['rollouts_at_full_context']} rollouts at full "
+                    f"context; in-flight rollouts {kv['in_flight']})")
+    notes = [f"memory per GPU: {summary} (megatron-tg memory for the terms)"]
+    return notes + [line.strip() for line in timeplan.render(timeplan.time_plan(cfg, plan))]
+
+
+# --------------------------------------------------------------------------- command line
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", required=True, metavar="FILE", help="recipe YAML")
+    parser.add_argument("--world-size", type=int, metavar="N",
+                        help="trainer ranks (default: parallel.nodes x parallel.gpus_per_node)")
+    parser.add_argument("--mem-fraction-static", type=float, metavar="F",
+                        help="the engines' SGLang --mem-fraction-static (default: SGLang's own)")
+    from megatron_tg.launch import timeplan
+
+    timeplan.add_arguments(parser)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_tg.launch import timeplan
+
+    cfg = load_config(args.recipe, args.overrides)
+    plan = memory_plan(cfg, args.recipe, args.world_size, args.mem_fraction_static)
+    times = timeplan.time_plan(cfg, plan, timeplan.assumptions_from(args))
+    lay = plan.layout
+    print(f"memory plan: {args.recipe} {' '.join(args.overrides)}".rstrip())
+    print(f"model: {plan.total_params / 1e9:.2f}B params ({plan.active_params / 1e9:.2f}B active); "
+          f"trainer world {lay['world_size']}: tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} "
+          f"ep={lay['ep']} etp={lay['etp']} dp={lay['dp']} edp={lay['edp']}")
+    for role in plan.roles.values():
+        print(f"\n{role.role} GPU ({role.capacity_gib:.1f} GiB, plan must stay under "
+              f"{role.usable_fraction:.0%}):")
+        for name, value in role.terms.items():
+            print(f"  {name:<24} {value / GIB:9.2f} GiB")
+        print(f"  {'total':<24} {role.total / GIB:9.2f} GiB  {'fits' if role.fits() else 'DOES NOT FIT'}")
+        for note in role.notes:
+            print(f"  - {note}")
+    print()
+    for line in timeplan.render(times):
+        print(line)
+    refusal = plan.refusal()
+    if refusal:
+        print(refusal)
+    out = {"recipe": args.recipe, "layout": lay, "total_params": plan.total_params,
+           **{name: role.as_json() for name, role in plan.roles.items()}, "time": times}
+    if "engine" in plan.roles:
+        out["engine"]["kv"] = plan.roles["engine"].kv
+    print(json.dumps(out))
+    return 0 if refusal is None else 1

@@ -1,0 +1,134 @@
+"""The time side of a recipe's plan: per optimizer step, what each role must process and how
+long that takes at stated rates, so the bottleneck role is visible before a job is submitted.
+
+Every rate below is an assumption with its source; each can be overridden on the command
+line. Token counts are upper bounds by default: every rollout is taken at
+``rollout.max_context_tokens`` and every token is counted as generated (tool output is in
+fact prefilled, not decoded) and as failing (the expert pass runs over all of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron_tg.config import TGConfig
+
+if TYPE_CHECKING:
+    from megatron_tg.launch.memory import MemoryPlan
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1,979 is the 2:4-sparse figure).
+H100_BF16_PEAK_FLOPS = 989e12
+# Megatron-Bridge's published Qwen3-30B-A3B pretraining on 16 x H100 (container 25.11, PP2
+# VP24 EP8): 121 TFLOP/s per GPU, i.e. 0.12 of the bf16 peak. RL micro-batches of 64k-token
+# rollouts are not that benchmark; the first GPU run must measure ours.
+ASSUMED_MFU = 0.12
+# SGLang serving Qwen3-30B-A3B on H100: 1,627 output tokens/s (Neural Nova's published
+# baseline sweep, "Getting More Out of SGLang", 2026; its GPU count per server is not
+# stated, so it is taken as one engine's rate). Decode is bound by reading the active
+# weights, so other models are scaled by active parameters. A rough figure: --engine-tokens-per-s
+# replaces it, and the first GPU run must measure it.
+ENGINE_TOKENS_PER_S_30B = 1627.0
+ACTIVE_PARAMS_30B = 3.35e9
+# Judge transcripts: characters per token of English text and code (tiktoken-style BPE rule of
+# thumb); the judge truncates transcripts at judge.max_transcript_chars.
+CHARS_PER_TOKEN = 4.0
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    mfu: float = ASSUMED_MFU
+    peak_flops: float = H100_BF16_PEAK_FLOPS
+    engine_tokens_per_s: float | None = None
+    """Per engine; None = the 30B figure scaled by active parameters."""
+    rollout_tokens: int | None = None
+    """Tokens per rollout; None = rollout.max_context_tokens (upper bound)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("time plan assumptions")
+    g.add_argument("--mfu", type=float, default=ASSUMED_MFU,
+                   help=f"trainer model-FLOPs utilisation (default {ASSUMED_MFU}: Megatron-Bridge, see timeplan.py)")
+    g.add_argument("--engine-tokens-per-s", type=float,
+                   help="decode tokens/s of one engine (default: 1,627 for 30B-A3B scaled by active params)")
+    g.add_argument("--rollout-tokens", type=int,
+                   help="mean tokens per rollout (default: rollout.max_context_tokens, an upper bound)")
+
+
+def assumptions_from(args: argparse.Namespace) -> Assumptions:
+    return Assumptions(mfu=args.mfu, engine_tokens_per_s=args.engine_tokens_per_s,
+                       rollout_tokens=args.rollout_tokens)
+
+
+def _llm_criteria(cfg: TGConfig) -> int:
+    if cfg.judge.rubric is None:
+        return 0
+    path = Path(cfg.judge.rubric)
+    if not path.is_file() and not path.is_absolute() and (REPO_ROOT / path).is_file():
+        path = REPO_ROOT / path
+    if not path.is_file():
+        return 0
+    from megatron_tg.judge.rubric import load_rubric
+
+    return len(load_rubric(path).llm_criteria())
+
+
+def time_plan(cfg: TGConfig, plan: "MemoryPlan", a: Assumptions = Assumptions()) -> dict[str, Any]:
+    """Per-step token counts, FLOPs, seconds per role and the bottleneck."""
+    from megatron_tg.models.qwen3_moe.config import Qwen3Arch
+
+    arch = Qwen3Arch.from_hf(str(cfg.model.hf_config_file()))
+    r = cfg.rollout
+    rollouts = r.prompts_per_step * r.group_size
+    per_rollout = a.rollout_tokens or r.max_context_tokens
+    train_tokens = rollouts * per_rollout
+    generated = rollouts * min(per_rollout, r.max_turns * r.max_new_tokens)
+    n = plan.active_params
+    # causal attention: QK^T and AV at 2 FLOPs per multiply-add over half the context on average
+    attn_fwd = 2 * 2 * arch.num_layers * arch.num_attention_heads * arch.head_dim * per_rollout / 2
+    fwd = 2 * n + attn_fwd
+    passes = 3 + (1 if cfg.model.recompute == "full" else 0)  # fwd + 2x bwd (+ recompute fwd)
+    expert = 0 if cfg.objective.mode == "grpo" else 1  # a forward pass, no backward (upper bound)
+    train_flops = train_tokens * fwd * (passes + expert)
+    world = plan.layout["world_size"]
+    train_s = train_flops / (world * a.peak_flops * a.mfu)
+    eng_tps = a.engine_tokens_per_s or ENGINE_TOKENS_PER_S_30B * ACTIVE_PARAMS_30B / n
+    engines = max(r.num_engines, 1)
+    gen_s = generated / (engines * eng_tps)
+    criteria = _llm_criteria(cfg)
+    judge_tokens = rollouts * criteria * min(per_rollout, math.ceil(cfg.judge.max_transcript_chars
+                                                                     / CHARS_PER_TOKEN))
+    sync_bytes = 2 * plan.total_params  # bf16, every parameter once per sync
+    expert_copy = cfg.objective.expert != "shared"
+    ckpt = plan.total_params * (2 + 12 + (2 if expert_copy else 0))  # bf16 + fp32 master/m/v
+    rates = {"train": train_s, "generate": gen_s}
+    return {
+        "rollouts_per_step": rollouts, "tokens_per_rollout": per_rollout,
+        "train_tokens": train_tokens, "train_flops": train_flops, "train_s": round(train_s, 1),
+        "generated_tokens": generated, "engine_tokens_per_s": round(eng_tps, 1),
+        "generate_s": round(gen_s, 1), "judge_llm_criteria": criteria,
+        "judge_prefill_tokens": judge_tokens, "sync_bytes": sync_bytes, "checkpoint_bytes": ckpt,
+        "bottleneck": max(rates, key=rates.get),
+        "assumptions": {"mfu": a.mfu, "peak_flops": a.peak_flops, "engine_tokens_per_s": eng_tps,
+                        "chars_per_token": CHARS_PER_TOKEN},
+    }
+
+
+def render(t: dict[str, Any]) -> list[str]:
+    a = t["assumptions"]
+    return [
+        f"time per step ({t['rollouts_per_step']} rollouts x {t['tokens_per_rollout']:,} tokens):",
+        f"  train     {t['train_tokens']:,} tokens, {t['train_flops']:.3g} FLOPs -> {t['train_s']:,} s "
+        f"at MFU {a['mfu']} of {a['peak_flops'] / 1e12:.0f} TFLOP/s per GPU",
+        f"  generate  {t['generated_tokens']:,} tokens -> {t['generate_s']:,} s at "
+        f"{a['engine_tokens_per_s']:,.0f} tokens/s per engine",
+        f"  judge     {t['judge_prefill_tokens']:,} prefill tokens ({t['judge_llm_criteria']} LLM criteria)",
+        f"  sync      {t['sync_bytes'] / 1e9:.1f} GB per weight update; checkpoint "
+        f"{t['checkpoint_bytes'] / 1e9:.1f} GB",
+        f"  bottleneck: {t['bottleneck']}",
+    ]
