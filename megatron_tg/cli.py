@@ -36,7 +36,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "sft": Subcommand("megatron_tg.sft.command",
                       "supervised warm start on agent transcripts (JSONL; thinking and tool "
                       "calls) through the trainer's model and checkpoints"),
-    "eval": Subcommand("megatron_tg.eval.command",
+    "eval": Subcommand("megatron_tg.train.evaluate",
                        "held-out evaluation of a checkpoint: pass@1 and every criterion's rate "
                        "with confidence intervals (evaluation.*)"),
     "describe": Subcommand("megatron_tg.models.describe",

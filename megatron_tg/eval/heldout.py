@@ -80,7 +80,7 @@ class HeldOutEvaluation:
     def __init__(self, side, rollout_fn: Callable[[RolloutContext], Any], tasks: Sequence[Any],
                  cfg, *, rollout_metrics: Callable[[Sequence[Rollout]], dict[str, float]] | None = None,
                  task_info: Callable[[Any], Any] | None = None) -> None:
-        from megatron_tg.train.rollouts import primary_criteria
+        from megatron_tg.judge.rubric import primary_criteria
 
         ev = cfg.evaluation
         self.side, self.rollout_fn, self.cfg = side, rollout_fn, cfg

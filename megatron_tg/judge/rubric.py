@@ -181,3 +181,24 @@ def load_rubric(path: str | os.PathLike) -> Rubric:
         except yaml.YAMLError as e:
             raise RubricError(f"{path}: invalid YAML: {e}") from e
     return parse_rubric(obj, source=path)
+
+
+def primary_criteria(obj, rubric: Rubric) -> list[str]:
+    """The task-success criteria: ``objective.primary_criteria`` if set, else the rubric's
+    ``primary: true`` criteria. A named criterion the rubric lacks is a config error (it
+    would silently weigh nothing), and mode "opsd", which rewards only these, needs one."""
+    from megatron_tg.config.base import ConfigError
+
+    names = [c.name for c in rubric.criteria]
+    if obj.primary_criteria:
+        unknown = [n for n in obj.primary_criteria if n not in names]
+        if unknown:
+            raise ConfigError(f"objective.primary_criteria: {unknown} are not criteria of the "
+                              f"rubric (it has {names}); got {list(obj.primary_criteria)}")
+        return list(obj.primary_criteria)
+    primary = [c.name for c in rubric.criteria if c.primary]
+    if not primary and obj.mode == "opsd":
+        raise ConfigError("objective.primary_criteria: mode 'opsd' rewards only the primary "
+                          f"criteria, and the rubric marks none primary (criteria: {names}); "
+                          "set objective.primary_criteria or a rubric criterion's primary: true")
+    return primary

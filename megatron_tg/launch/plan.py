@@ -29,169 +29,95 @@ laptop and the batch script on the cluster print the same plan for the same node
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_tg.config import ConfigError, RolloutConfig, TGConfig, load_config
 from megatron_tg.launch.render import RENDERERS
+from megatron_tg.launch.spec import (  # noqa: F401 (the planner's API, re-exported)
+    ACCELERATORS,
+    DEFAULT_PORT_BASE,
+    ENGINE_SERVERS,
+    PORT_OFFSETS,
+    Knobs,
+    Plan,
+    PlanError,
+    Server,
+    Step,
+)
+from megatron_tg.parallel.dims import ParallelDims
 
-ACCELERATORS = ("gpu", "cpu")
-ENGINE_SERVERS = ("sglang", "embedded")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-# Offsets from --port-base. One knob moves every port, so two jobs sharing a machine (the
-# emulated test cluster, where every "node" is 127.0.0.1) stay apart; within a job every
-# server gets its own port even across nodes for the same reason. Engine e serves HTTP on
-# engine + e; a node-spanning engine's ranks meet on engine_dist + 10 e (multi-node SGLang
-# also takes the few ports after its --dist-init-addr port).
-PORT_OFFSETS = {"master": 0, "router": 500, "judge": 600, "judge_dist": 700,
-                "engine": 1500, "engine_dist": 2500}
-DEFAULT_PORT_BASE = 29500  # torch's usual MASTER_PORT
-
-
-class PlanError(ConfigError):
-    """A node count, GPU count or knob that cannot hold the recipe's layout."""
-
-
-@dataclass(frozen=True)
-class Knobs:
-    """What the launcher may set on top of the recipe; None = derive it from the recipe."""
-
-    nodes: Optional[int] = None
-    """Nodes in the allocation (``$SLURM_JOB_NUM_NODES``); None = the sum the roles need."""
-    hosts: Optional[tuple[str, ...]] = None
-    """Node names in allocation order (``scontrol show hostnames``); None = node1..nodeN."""
-    addrs: Optional[tuple[str, ...]] = None
-    """Address to reach each host by (Slurm's NodeAddr); None = the host names."""
-    train_nodes: Optional[int] = None
-    rollout_nodes: Optional[int] = None
-    judge_nodes: Optional[int] = None
-    gpus_per_node: Optional[int] = None
-    """GPUs per node (CPU mode: trainer ranks and engine slots per node); None = recipe's."""
-    accel: Optional[str] = None
-    """"gpu" or "cpu" (no GPU requests at all); None = cpu when the recipe's backend is gloo."""
-    engine: Optional[str] = None
-    """Program behind the rollout servers: "sglang" or "embedded" (the CPU engine)."""
-    engine_model: Optional[str] = None
-    """Weights the engines serve; None = the recipe's model.hf_checkpoint (else hf_config)."""
-    router: Optional[bool] = None
-    """Start an sglang-router; None = when there is more than one SGLang engine."""
-    judge_model: Optional[str] = None
-    """Model directory for a judge server started in the job."""
-    judge_name: Optional[str] = None
-    """Model name the judge serves and the trainer asks for; None = judge.model, else the
-    model directory's name."""
-    judge_url: Optional[str] = None
-    """An already running judge endpoint; no judge role then."""
-    judge_tp: Optional[int] = None
-    """Tensor-parallel size of the judge server; None = every GPU of its nodes."""
-    port_base: int = DEFAULT_PORT_BASE
-    job_dir: str = "runs/slurm/JOB"
-    """Per-job directory: plan files and one log per server (``logs/``)."""
-
-
-@dataclass
-class Server:
-    """One HTTP server of the job: an engine, the router or the judge."""
-
-    name: str
-    role: str
-    hosts: list[str]
-    addr: str
-    port: int
-    gpus: int
-    log: str
-    dist: str = ""
-    """host:port where the ranks of a multi-node server meet (SGLang --dist-init-addr)."""
-    step: int = -1
-    """Index of the step that runs it (whose death means it will never become healthy)."""
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.addr}:{self.port}"
-
-
-@dataclass
-class Step:
-    """One ``srun`` step. Task ``t`` of a server step runs server ``first + SLURM_LOCALID``
-    with node rank ``SLURM_NODEID``."""
-
-    name: str
-    role: str
-    hosts: list[str]
-    ntasks: int
-    tasks_per_node: int
-    gpus_per_task: int = 0
-    gpus_per_node: int = 0
-    overlap: bool = False
-    """Shares its node with another step (CPU-only helpers). Slurm 22.05's --overlap also
-    shares GPUs, so GPU steps never use it and never share a node."""
-    first: int = 0
-    output: str = ""
-
-
-@dataclass
-class Plan:
-    recipe: str
-    overrides: list[str]
-    run_name: str
-    accel: str
-    gpus_per_node: int
-    hosts: list[str]
-    addrs: list[str]
-    roles: dict[str, list[str]]
-    layout: dict[str, int]
-    master_addr: str
-    master_port: int
-    sync_master: str
-    """Address the engines reach trainer rank 0 at for weight sync (it picks the port)."""
-    engine: str
-    engine_model: str
-    engine_tp: int
-    engine_args: list[str]
-    """SGLang flags the recipe itself requires (before ENGINE_ARGS); see :func:`engine_flags`."""
-    judge_model: str
-    judge_name: str
-    judge_url: str
-    router_url: str
-    servers: list[Server]
-    steps: list[Step]
-    train_args: list[str]
-    notes: list[str] = field(default_factory=list)
-    blockers: list[str] = field(default_factory=list)
-    """Problems that stop a launch but not a dry-run (e.g. no judge model given)."""
-
-    @property
-    def nodes(self) -> int:
-        return len(self.hosts)
-
-    def gpus(self, role: str) -> int:
-        if self.accel != "gpu":
-            return 0
-        if role == "train":
-            return len(self.roles["train"]) * self.gpus_per_node
-        return sum(s.gpus for s in self.servers if s.role == role and role != "router")
 
 
 # --------------------------------------------------------------------------- planning
+
+@dataclass
+class _Sizes:
+    """Node counts per role and what they imply (``_size_roles``)."""
+
+    gpn: int
+    accel: str
+    train_nodes: int
+    world: int
+    dims: ParallelDims
+    want_engines: bool
+    engine: str
+    per_node: int
+    """Engines per rollout node (0: an engine spans ``span`` nodes)."""
+    span: int
+    rollout_nodes: int
+    judge_nodes: int
+    start_judge: bool
+    judge_needed: bool
+    judge_why: str
+
 
 def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()) -> Plan:
     """Resolve ``recipe`` + ``overrides`` and the launcher's ``knobs`` into a :class:`Plan`.
     Raises :class:`ConfigError` (bad recipe) or :class:`PlanError` (sizes that do not fit)."""
     cfg = load_config(recipe, overrides)
+    notes: list[str] = []
+    blockers: list[str] = []
+    z = _size_roles(cfg, knobs, notes)                                  # how many nodes each
+    hosts, addrs, by_role = _assign_hosts(z, knobs)                     # which nodes
+    addr_of = dict(zip(hosts, addrs))
+    servers, steps, engine_urls, router_url = _place_rollout(cfg, z, knobs, by_role, addr_of, notes)
+    judge_url, judge_model, judge_name = _place_judge(cfg, z, knobs, by_role["judge"], addr_of,
+                                                      servers, steps, blockers)
+    train_hosts = by_role["train"]
+    master_addr = addr_of[train_hosts[0]]
+    sync_master = master_addr if engine_urls else ""
+    _add_step(steps, servers, knobs, "tg-train", "train", train_hosts, z.gpn,
+              gpus_per_node=z.gpn if z.accel == "gpu" else 0)
+    train_args = _trainer_args(recipe, overrides, z, knobs, engine_urls, judge_url, judge_name,
+                               sync_master, router_url)
+    want, engine = z.want_engines, z.engine
+    return Plan(
+        recipe=recipe, overrides=list(overrides), run_name=cfg.run_name, accel=z.accel,
+        gpus_per_node=z.gpn, hosts=hosts, addrs=addrs, roles=by_role, layout=z.dims.describe(),
+        master_addr=master_addr, master_port=knobs.port_base + PORT_OFFSETS["master"],
+        sync_master=sync_master, engine=engine if want else "",
+        engine_model=(knobs.engine_model or cfg.model.hf_checkpoint or cfg.model.hf_config) if want else "",
+        engine_tp=cfg.rollout.engine_tp if want else 0,
+        engine_args=engine_flags(cfg.rollout) if want and engine == "sglang" else [],
+        judge_model=judge_model if z.start_judge else "",
+        judge_name=judge_name if judge_url else "", judge_url=judge_url, router_url=router_url,
+        servers=servers, steps=steps, train_args=train_args, notes=notes, blockers=blockers)
+
+
+def _size_roles(cfg: TGConfig, knobs: Knobs, notes: list[str]) -> _Sizes:
+    """Node counts of the train, rollout and judge roles, checked against the layout, the
+    engines' width and the allocation; the trainer's memory plan is checked here too."""
     p = cfg.parallel
     gpn = _positive("gpus_per_node", knobs.gpus_per_node, p.gpus_per_node)
     accel = knobs.accel or ("cpu" if p.backend == "gloo" else "gpu")
     _choice("accel", accel, ACCELERATORS)
-    notes: list[str] = []
-    blockers: list[str] = []
 
-    # ---- sizes per role
-    min_world = math.lcm(p.tp * p.cp * p.pp, p.expert_tp * p.ep * p.pp)
+    min_world = ParallelDims.smallest_world(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
     node_step = math.lcm(min_world, gpn) // gpn  # train node counts must be multiples of it
     if knobs.train_nodes is not None:
         train_nodes = _positive("train_nodes", knobs.train_nodes, None)
@@ -262,120 +188,126 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         raise PlanError(f"nodes: the allocation has {knobs.nodes} nodes but the roles need {total} "
                         f"(train {train_nodes} + rollout {rollout_nodes} + judge {judge_nodes}); "
                         f"submit with --nodes={total} or change TRAIN_NODES/ROLLOUT_NODES/JUDGE_NODES")
+    return _Sizes(gpn=gpn, accel=accel, train_nodes=train_nodes, world=world, dims=dims,
+                  want_engines=want_engines, engine=engine, per_node=per_node, span=span,
+                  rollout_nodes=rollout_nodes, judge_nodes=judge_nodes, start_judge=start_judge,
+                  judge_needed=judge_needed, judge_why=judge_why)
 
-    # ---- hosts
+
+def _assign_hosts(z: _Sizes, knobs: Knobs) -> tuple[list[str], list[str], dict[str, list[str]]]:
+    """Hosts in allocation order, their addresses, and the hosts of each role (train first:
+    the batch script runs on the first node)."""
+    total = z.train_nodes + z.rollout_nodes + z.judge_nodes
     hosts = list(knobs.hosts) if knobs.hosts else [f"node{i + 1}" for i in range(total)]
     addrs = list(knobs.addrs) if knobs.addrs else list(hosts)
     if len(hosts) != total or len(addrs) != len(hosts):
         raise PlanError(f"hosts: {len(hosts)} hosts and {len(addrs)} addresses given for {total} nodes")
-    addr_of = dict(zip(hosts, addrs))
-    train_hosts = hosts[:train_nodes]
-    rollout_hosts = hosts[train_nodes:train_nodes + rollout_nodes]
-    judge_hosts = hosts[train_nodes + rollout_nodes:]
-    port = {k: knobs.port_base + off for k, off in PORT_OFFSETS.items()}
-    job_dir = knobs.job_dir.rstrip("/")
-    gpu = accel == "gpu"
+    t, r = z.train_nodes, z.rollout_nodes
+    return hosts, addrs, {"train": hosts[:t], "rollout": hosts[t:t + r], "judge": hosts[t + r:]}
 
+
+def _add_step(steps: list[Step], servers: list[Server], knobs: Knobs, name: str, role: str,
+              step_hosts: list[str], tasks_per_node: int, first: int = 0, serves: int = 0,
+              **kw) -> None:
+    """A step whose tasks run servers ``first .. first + serves - 1`` (none for the trainer)."""
+    job_dir = knobs.job_dir.rstrip("/")
+    steps.append(Step(name=name, role=role, hosts=step_hosts, ntasks=len(step_hosts) * tasks_per_node,
+                      tasks_per_node=tasks_per_node, first=first,
+                      output=f"{job_dir}/logs/step-{name}.log", **kw))
+    for server in servers[first:first + serves]:
+        server.step = len(steps) - 1
+
+
+def _place_rollout(cfg: TGConfig, z: _Sizes, knobs: Knobs, by_role: dict[str, list[str]],
+                   addr_of: dict[str, str], notes: list[str]
+                   ) -> tuple[list[Server], list[Step], list[str], str]:
+    """The engines on the rollout nodes and the router in front of them."""
     servers: list[Server] = []
     steps: list[Step] = []
-
-    def add_step(name: str, role: str, step_hosts: list[str], tasks_per_node: int, first: int = 0,
-                 serves: int = 0, **kw) -> None:
-        """A step whose tasks run servers ``first .. first + serves - 1`` (none for the trainer)."""
-        steps.append(Step(name=name, role=role, hosts=step_hosts, ntasks=len(step_hosts) * tasks_per_node,
-                          tasks_per_node=tasks_per_node, first=first,
-                          output=f"{job_dir}/logs/step-{name}.log", **kw))
-        for server in servers[first:first + serves]:
-            server.step = len(steps) - 1
-
-    # ---- engines
     engine_urls: list[str] = []
-    if want_engines:
-        n_engines = len(rollout_hosts) * per_node if per_node else len(rollout_hosts) // span
-        if n_engines != r.num_engines:
-            notes.append(f"rollout: {n_engines} engines fill {len(rollout_hosts)} rollout nodes "
-                         f"(recipe: rollout.num_engines={r.num_engines})")
+    if not z.want_engines:
+        return servers, steps, engine_urls, ""
+    r, tp, per_node, span = cfg.rollout, cfg.rollout.engine_tp, z.per_node, z.span
+    rollout_hosts = by_role["rollout"]
+    job_dir = knobs.job_dir.rstrip("/")
+    port = {k: knobs.port_base + off for k, off in PORT_OFFSETS.items()}
+    gpu = z.accel == "gpu"
+    n_engines = len(rollout_hosts) * per_node if per_node else len(rollout_hosts) // span
+    if n_engines != r.num_engines:
+        notes.append(f"rollout: {n_engines} engines fill {len(rollout_hosts)} rollout nodes "
+                     f"(recipe: rollout.num_engines={r.num_engines})")
+    for e in range(n_engines):
+        node = e // per_node if per_node else e * span
+        eh = rollout_hosts[node:node + span]
+        servers.append(Server(name=f"engine{e}", role="engine", hosts=eh, addr=addr_of[eh[0]],
+                              port=port["engine"] + e, gpus=tp, log=f"{job_dir}/logs/engine{e}.log",
+                              dist=f"{addr_of[eh[0]]}:{port['engine_dist'] + 10 * e}" if span > 1 else ""))
+    if per_node:
+        for k, h in enumerate(rollout_hosts):
+            _add_step(steps, servers, knobs, f"tg-engines-{h}", "engine", [h], per_node,
+                      first=k * per_node, serves=per_node, gpus_per_task=tp if gpu else 0)
+    else:
         for e in range(n_engines):
-            node = e // per_node if per_node else e * span
-            eh = rollout_hosts[node:node + span]
-            servers.append(Server(name=f"engine{e}", role="engine", hosts=eh, addr=addr_of[eh[0]],
-                                  port=port["engine"] + e, gpus=tp, log=f"{job_dir}/logs/engine{e}.log",
-                                  dist=f"{addr_of[eh[0]]}:{port['engine_dist'] + 10 * e}" if span > 1 else ""))
-        if per_node:
-            for k, h in enumerate(rollout_hosts):
-                add_step(f"tg-engines-{h}", "engine", [h], per_node, first=k * per_node, serves=per_node,
-                         gpus_per_task=tp if gpu else 0)
-        else:
-            for e in range(n_engines):
-                add_step(f"tg-engine{e}", "engine", servers[e].hosts, 1, first=e, serves=1,
-                         gpus_per_node=gpn if gpu else 0)
-        engine_urls = [s.url for s in servers]
-
+            _add_step(steps, servers, knobs, f"tg-engine{e}", "engine", servers[e].hosts, 1,
+                      first=e, serves=1, gpus_per_node=z.gpn if gpu else 0)
+    engine_urls = [s.url for s in servers]
+    start_router = knobs.router if knobs.router is not None else (z.engine == "sglang" and n_engines > 1)
     router_url = ""
-    start_router = knobs.router if knobs.router is not None else (engine == "sglang" and len(engine_urls) > 1)
     if start_router and engine_urls:
         h = rollout_hosts[0]
         servers.append(Server(name="router", role="router", hosts=[h], addr=addr_of[h],
                               port=port["router"], gpus=0, log=f"{job_dir}/logs/router.log"))
-        add_step("tg-router", "router", [h], 1, first=len(servers) - 1, serves=1, overlap=True)
+        _add_step(steps, servers, knobs, "tg-router", "router", [h], 1, first=len(servers) - 1,
+                  serves=1, overlap=True)
         router_url = servers[-1].url
+    return servers, steps, engine_urls, router_url
 
-    # ---- judge
+
+def _place_judge(cfg: TGConfig, z: _Sizes, knobs: Knobs, judge_hosts: list[str],
+                 addr_of: dict[str, str], servers: list[Server], steps: list[Step],
+                 blockers: list[str]) -> tuple[str, str, str]:
+    """The judge server on its nodes (when the job starts one): its URL, model dir and name."""
     judge_url = knobs.judge_url or cfg.judge.endpoint or ""
     judge_model = knobs.judge_model or ""
     judge_name = knobs.judge_name or cfg.judge.model or (Path(judge_model).name if judge_model else "")
-    if start_judge:
+    if z.start_judge:
+        gpn, port = z.gpn, knobs.port_base
         jtp = knobs.judge_tp or len(judge_hosts) * gpn
         if jtp > len(judge_hosts) * gpn:
             raise PlanError(f"judge: JUDGE_TP={jtp} needs more than {len(judge_hosts)} judge nodes x {gpn} GPUs")
         h0 = judge_hosts[0]
         servers.append(Server(name="judge", role="judge", hosts=judge_hosts, addr=addr_of[h0],
-                              port=port["judge"], gpus=jtp, log=f"{job_dir}/logs/judge.log",
-                              dist=f"{addr_of[h0]}:{port['judge_dist']}" if len(judge_hosts) > 1 else ""))
-        add_step("tg-judge", "judge", judge_hosts, 1, first=len(servers) - 1, serves=1,
-                 gpus_per_node=gpn if gpu else 0)
+                              port=port + PORT_OFFSETS["judge"], gpus=jtp,
+                              log=f"{knobs.job_dir.rstrip('/')}/logs/judge.log",
+                              dist=(f"{addr_of[h0]}:{port + PORT_OFFSETS['judge_dist']}"
+                                    if len(judge_hosts) > 1 else "")))
+        _add_step(steps, servers, knobs, "tg-judge", "judge", judge_hosts, 1,
+                  first=len(servers) - 1, serves=1, gpus_per_node=gpn if z.accel == "gpu" else 0)
         judge_url = servers[-1].url
         if not judge_model:
-            blockers.append(f"judge: {judge_why}; set JUDGE_MODEL=DIR to serve a judge on "
+            blockers.append(f"judge: {z.judge_why}; set JUDGE_MODEL=DIR to serve a judge on "
                             f"{len(judge_hosts)} node(s), or JUDGE_URL=http://HOST:PORT (with JUDGE_NAME) "
                             f"for a running one")
-    if judge_needed and judge_url and not judge_name and not blockers:
+    if z.judge_needed and judge_url and not judge_name and not blockers:
         blockers.append(f"judge: the endpoint {judge_url} needs a model name: set JUDGE_NAME or judge.model")
+    return judge_url, judge_model, judge_name
 
-    # ---- trainer
-    master_addr = addr_of[train_hosts[0]]
-    sync_master = master_addr if engine_urls else ""
-    add_step("tg-train", "train", train_hosts, gpn, gpus_per_node=gpn if gpu else 0)
-    train_args = ["--recipe", recipe, *overrides,
-                  f"parallel.nodes={train_nodes}", f"parallel.gpus_per_node={gpn}"]
+
+def _trainer_args(recipe: str, overrides: Sequence[str], z: _Sizes, knobs: Knobs,
+                  engine_urls: list[str], judge_url: str, judge_name: str, sync_master: str,
+                  router_url: str) -> list[str]:
+    """The trainer's command line: the recipe, its overrides and what the plan decided."""
+    args = ["--recipe", recipe, *overrides,
+            f"parallel.nodes={z.train_nodes}", f"parallel.gpus_per_node={z.gpn}"]
     if engine_urls:
-        train_args.append(f"rollout.server_urls=[{','.join(engine_urls)}]")
-    if judge_needed and judge_url and (knobs.judge_url or start_judge):
-        train_args += [f"judge.endpoint={judge_url}", f"judge.model={judge_name}"]
-    # Fields the launcher has values for but the schema may not have yet: passed when it
-    # does, else left to the environment (TG_SYNC_MASTER, TG_ROUTER_URL) and said so.
-    for name, value, env in (("sync_master_address", sync_master, "TG_SYNC_MASTER"),
-                             ("router_url", router_url, "TG_ROUTER_URL")):
-        if not value:
-            continue
-        if name in {f.name for f in dataclasses.fields(RolloutConfig)}:
-            train_args.append(f"rollout.{name}={value}")
-        else:
-            notes.append(f"rollout.{name} is not a config field yet: {value} is exported to the "
-                         f"trainer as ${env} only")
-
-    return Plan(
-        recipe=recipe, overrides=list(overrides), run_name=cfg.run_name, accel=accel, gpus_per_node=gpn,
-        hosts=hosts, addrs=addrs,
-        roles={"train": train_hosts, "rollout": rollout_hosts, "judge": judge_hosts},
-        layout=dims.describe(), master_addr=master_addr, master_port=port["master"],
-        sync_master=sync_master, engine=engine if want_engines else "",
-        engine_model=(knobs.engine_model or cfg.model.hf_checkpoint or cfg.model.hf_config) if want_engines else "",
-        engine_tp=tp if want_engines else 0,
-        engine_args=engine_flags(cfg.rollout) if want_engines and engine == "sglang" else [],
-        judge_model=judge_model if start_judge else "",
-        judge_name=judge_name if judge_url else "", judge_url=judge_url, router_url=router_url,
-        servers=servers, steps=steps, train_args=train_args, notes=notes, blockers=blockers)
+        args.append(f"rollout.server_urls=[{','.join(engine_urls)}]")
+    if z.judge_needed and judge_url and (knobs.judge_url or z.start_judge):
+        args += [f"judge.endpoint={judge_url}", f"judge.model={judge_name}"]
+    if sync_master:
+        args.append(f"rollout.sync_master_address={sync_master}")
+    if router_url:
+        args.append(f"rollout.router_url={router_url}")
+    return args
 
 
 def _memory_check(cfg: TGConfig, world: int, accel: str) -> list[str]:

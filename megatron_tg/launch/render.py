@@ -11,8 +11,8 @@ import json
 import shlex
 from typing import TYPE_CHECKING, Sequence
 
-if TYPE_CHECKING:  # plan.py imports this module
-    from megatron_tg.launch.plan import Plan
+if TYPE_CHECKING:
+    from megatron_tg.launch.spec import Plan
 
 
 def render_text(plan: Plan) -> str:

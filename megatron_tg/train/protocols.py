@@ -24,9 +24,14 @@ if TYPE_CHECKING:  # types only: the loop never imports the rollout machinery it
     from megatron_tg.rollout.weight_client import TrainerWeightGroup
     from megatron_tg.train.batching import TrainSample
     from megatron_tg.train.trainer import Trainer
-    from megatron_tg.train.weight_sync import SyncStats
 
 T = TypeVar("T")
+
+
+class SyncResult(Protocol):
+    """What a weight push returns (``weight_sync.SyncStats``): metrics of the sync."""
+
+    def as_metrics(self) -> dict[str, float]: ...
 
 
 @dataclass
@@ -49,8 +54,8 @@ class RolloutSource(Protocol):
     def weight_target(self) -> WeightTarget:
         """The engines' client and the weight-update group (formed on first use)."""
 
-    def run_sync(self, push: "Callable[[], Awaitable[SyncStats]]", version: int, *,
-                 restart: bool = False) -> "SyncStats":
+    def run_sync(self, push: Callable[[], Awaitable[SyncResult]], version: int, *,
+                 restart: bool = False) -> SyncResult:
         """Run ``push`` while generation is paused, then serve ``version``. ``restart``: the
         engines just started and nothing generates yet, so push without a version bump."""
 

@@ -35,7 +35,7 @@ import torch
 
 from megatron_tg.config.schema import TGConfig
 from megatron_tg.judge import Judge
-from megatron_tg.judge.rubric import Rubric
+from megatron_tg.judge.rubric import Rubric, primary_criteria
 from megatron_tg.objectives import combine_rewards, group_advantages, mode_switches
 from megatron_tg.parallel.ports import free_port
 from megatron_tg.rollout.client import SGLangClient
@@ -71,27 +71,6 @@ def feedback_for(rollout: Rollout, result, rubric: Rubric, always: bool) -> dict
             for k in _covered_turns(rollout, c.scope):
                 out.setdefault(k, []).append(c.feedback)
     return {k: "\n".join(v) for k, v in out.items()}
-
-
-def primary_criteria(obj, rubric: Rubric) -> list[str]:
-    """The task-success criteria: ``objective.primary_criteria`` if set, else the rubric's
-    ``primary: true`` criteria. A named criterion the rubric lacks is a config error (it
-    would silently weigh nothing), and mode "opsd", which rewards only these, needs one."""
-    from megatron_tg.config.base import ConfigError
-
-    names = [c.name for c in rubric.criteria]
-    if obj.primary_criteria:
-        unknown = [n for n in obj.primary_criteria if n not in names]
-        if unknown:
-            raise ConfigError(f"objective.primary_criteria: {unknown} are not criteria of the "
-                              f"rubric (it has {names}); got {list(obj.primary_criteria)}")
-        return list(obj.primary_criteria)
-    primary = [c.name for c in rubric.criteria if c.primary]
-    if not primary and obj.mode == "opsd":
-        raise ConfigError("objective.primary_criteria: mode 'opsd' rewards only the primary "
-                          f"criteria, and the rubric marks none primary (criteria: {names}); "
-                          "set objective.primary_criteria or a rubric criterion's primary: true")
-    return primary
 
 
 def judge_drop_metrics(judged: Sequence[tuple[Rollout, Any]]) -> dict[str, float]:

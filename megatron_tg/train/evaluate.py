@@ -35,8 +35,8 @@ def evaluate(cfg, make_rollout_side) -> dict | None:
 
     from megatron_tg.config.base import ConfigError
     from megatron_tg.eval.heldout import HeldOutEvaluation
-    from megatron_tg.train.loop import sync_weights
     from megatron_tg.train.trainer import Trainer
+    from megatron_tg.train.weight_sync import SyncChecks, sync_to_engines
 
     if not cfg.evaluation.enabled():
         raise ConfigError("evaluation.tasks: empty, so there is nothing held out to evaluate; "
@@ -46,7 +46,7 @@ def evaluate(cfg, make_rollout_side) -> dict | None:
     side = make_rollout_side(trainer) if trainer.ctx.rank == 0 else None
     try:
         # Always push: the engines start on model.hf_checkpoint, which need not be these weights.
-        sync_weights(trainer, side, restart=True)
+        sync_to_engines(trainer, side, SyncChecks.from_config(cfg.rollout), restart=True)
         record = None
         if side is not None:
             ev = next(fn for _, fn in side.probes if isinstance(fn, HeldOutEvaluation))
