@@ -45,6 +45,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "memory": Subcommand("megatron_tg.launch.memory",
                          "per-GPU memory plan of a recipe, term by term per role, and its time "
                          "per step; exit 1 when it does not fit"),
+    "plan": Subcommand("megatron_tg.launch.plan",
+                       "who runs where in a Slurm job: roles, GPUs, ports, servers, the trainer "
+                       "command (no Slurm calls)"),
     "convert": Subcommand("megatron_tg.convert.command",
                           "convert checkpoints: hf-to-megatron or megatron-to-hf"),
     "vet": Subcommand("megatron_tg.judge.vetting",

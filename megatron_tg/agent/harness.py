@@ -70,7 +70,8 @@ class AgentHarness:
         try:
             b = RolloutBuilder(self.tok, [{"role": "system", "content": self.system_prompt},
                                           {"role": "user", "content": task.instruction}],
-                               tools=self.tools, task_id=task.id, group_id=ctx.group_id, rollout_id=ctx.rollout_id)
+                               tools=self.tools, task_id=task.id, group_id=ctx.group_id, rollout_id=ctx.rollout_id,
+                               tool_call_reading=self.cfg.tool_call_reading)
             finish, stats = await self._loop(ctx, b, episode)
             metadata = {**stats, **await episode.grade()}
             return b.build(finish, metadata)

@@ -63,8 +63,13 @@ def load_tasks(path: str | os.PathLike, repos_root: str | os.PathLike | None = N
                               "to build one)")
     tasks: list[Task] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a bad UTF-8 line is reported by its number
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TaskFormatError(f"{path}:{n}: not valid UTF-8 at byte {e.start} of the line "
+                                      f"({raw[max(0, e.start - 10):e.start + 10]!r})") from None
             if not line.strip():
                 continue
             try:

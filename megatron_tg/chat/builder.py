@@ -37,11 +37,12 @@ from megatron_tg.rollout.types import Rollout, Segment
 class RolloutBuilder:
     def __init__(self, tokenizer, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
                  task_id: str, group_id: str | None = None, rollout_id: str = "",
-                 metadata: dict[str, Any] | None = None):
+                 metadata: dict[str, Any] | None = None, tool_call_reading: str = "strict"):
         if not messages or any(m["role"] == "assistant" for m in messages):
             raise FramingError("the prompt must be non-empty and contain no assistant message")
         self.tokenizer = tokenizer
         self.tools = tools
+        self.tool_call_reading = tool_call_reading  # chat/tool_reading.py; the judge reads alike
         self.history = normalize_messages(messages)
         self.task_id, self.group_id, self.rollout_id = task_id, group_id or task_id, rollout_id
         self.metadata = dict(metadata or {})
@@ -71,7 +72,8 @@ class RolloutBuilder:
                                      policy_version=policy_version, thinking=thinking,
                                      tool_calls=calls, meta=dict(meta or {})))
         parsed = parse_assistant(self.tokenizer.decode(ids, skip_special_tokens=False),
-                                 stop_tokens=(self.tokenizer.eos_token,))
+                                 stop_tokens=(self.tokenizer.eos_token,),
+                                 reading=self.tool_call_reading)
         self.parsed.append(parsed)
         self.history.append(parsed.to_message())
         return parsed

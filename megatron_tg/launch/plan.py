@@ -366,10 +366,16 @@ def _csv(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.replace(" ", ",").split(",") if x)
 
 
+DESCRIPTION = "Resolve a recipe and a node count into the roles of a Slurm job (no Slurm calls)."
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m megatron_tg.launch.plan",
-        description="Resolve a recipe and a node count into the roles of a Slurm job (no Slurm calls).")
+    ap = argparse.ArgumentParser(prog="python -m megatron_tg.launch.plan", description=DESCRIPTION)
+    add_arguments(ap)
+    return ap
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--recipe", required=True, metavar="FILE")
     ap.add_argument("--format", choices=sorted(RENDERERS), default="text")
     sizes = ap.add_argument_group("sizes (default: from the recipe)")
@@ -395,11 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out-dir", help="also write plan.env, plan.txt and plan.json here (one planning "
                                       "for all three: each Python start costs the batch job ~1 s)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, as for the trainer")
-    return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``megatron-tg plan`` (the arguments of :func:`add_arguments`)."""
     knobs = Knobs(
         nodes=args.nodes, hosts=args.hosts, addrs=args.addrs, train_nodes=args.train_nodes,
         rollout_nodes=args.rollout_nodes, judge_nodes=args.judge_nodes, gpus_per_node=args.gpus_per_node,

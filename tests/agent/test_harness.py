@@ -141,3 +141,16 @@ def test_tasks_as_dicts_and_malformed_only_turn_continues(tok, harness):
     r = rollout(harness, ScriptedClient(tok, script), Task.from_dict(task))
     assert r.num_turns == 3 and r.metadata["malformed_tool_calls"] == 1 and r.metadata["tests_passed"] is True
     assert r.metadata["tests"]["results"] == {"test_hi.py::test_hi": "passed"}
+
+
+def test_a_call_sglang_would_read_differently_is_not_executed(tok, harness):
+    """rollout.tool_call_reading=strict (default): a value with "<parameter=" text means one
+    thing here and another to SGLang's parser, so the harness executes neither reading."""
+    task = {"id": "ambiguous", "instruction": "Write t.py.", "fail_to_pass": ["test_t.py::test_t"],
+            "hidden_files": {"test_t.py": "def test_t():\n    import t\n"}}
+    ambiguous = ("<tool_call>\n<function=write_file>\n<parameter=path>\nt.py\n</parameter>\n"
+                 "<parameter=content>\nprint('<parameter=x>')\n</parameter>\n</function>\n"
+                 "</tool_call><|im_end|>")
+    r = rollout(harness, ScriptedClient(tok, [ambiguous, turn(tok, "Done.")]), Task.from_dict(task))
+    assert harness.cfg.tool_call_reading == "strict"
+    assert r.metadata["malformed_tool_calls"] == 1 and r.metadata["tests_passed"] is False

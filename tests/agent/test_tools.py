@@ -210,3 +210,14 @@ def test_search_lines_is_deterministic(tmp_path):
     (tmp_path / "a.py").write_text("alpha beta\nbeta\n")
     (tmp_path / "b.py").write_text("beta gamma\n")
     assert [(p, n) for _, p, n, _ in search_lines(tmp_path, "beta", 5)] == [("a.py", 2), ("a.py", 1), ("b.py", 1)]
+
+
+def test_task_file_with_invalid_utf8_names_file_and_line(tmp_path):
+    import pytest
+
+    from megatron_tg.agent.tasks import TaskFormatError, load_tasks
+
+    p = tmp_path / "tasks.jsonl"
+    p.write_bytes(b'\n{"id": "a", "instruction": "caf\xe9", "fail_to_pass": ["t.py::t"]}\n')
+    with pytest.raises(TaskFormatError, match=rf"{p}:2: not valid UTF-8 at byte 31"):
+        load_tasks(p)
