@@ -17,6 +17,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weight-version", default="default", help="initial weight version (SGLang's default)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     ap.add_argument("--attn-implementation", default=None, help="e.g. sdpa or eager (default: transformers')")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="record each token's routed experts (SGLang's flag; requests then "
+                         "may set return_routed_experts)")
     ap.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "INFO"))
     args = ap.parse_args(argv)
     # Slurm's pre-time-limit warning (SIGUSR1) is signalled to every process of the trainer's
@@ -40,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         weight_version=args.weight_version,
         attn_implementation=args.attn_implementation,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
     logging.getLogger(__name__).info("serving %s on http://%s:%d", args.model, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 
 @dataclass
@@ -65,8 +66,10 @@ def free_port() -> int:
 
 
 def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0,
-                  threads: int = 1) -> list[Engine]:
-    """Start engine subprocesses (in parallel) and wait until each answers /health."""
+                  threads: int = 1, extra_args: Sequence[str] = ()) -> list[Engine]:
+    """Start engine subprocesses (in parallel) and wait until each answers /health.
+
+    ``extra_args`` go to every engine's command line (e.g. ``--enable-return-routed-experts``)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", ENGINE_LOG_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
@@ -76,7 +79,7 @@ def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0
         log_path = log_dir / f"engine_{port}.log"
         proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_tg.rollout.engine", "--model", str(model_dir), "--port", str(port),
-             "--host", "127.0.0.1", "--threads", str(threads)],
+             "--host", "127.0.0.1", "--threads", str(threads), *extra_args],
             stdout=open(log_path, "wb"),
             stderr=subprocess.STDOUT,
             env=env,

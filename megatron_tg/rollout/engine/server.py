@@ -39,9 +39,11 @@ class EngineServer:
         seed: int = 0,
         weight_version: str = "default",
         attn_implementation: str | None = None,
+        enable_return_routed_experts: bool = False,
     ):
         self.model_path = model_path
-        self.runner = ModelRunner(model_path, attn_implementation=attn_implementation)
+        self.runner = ModelRunner(model_path, attn_implementation=attn_implementation,
+                                  capture_routing=enable_return_routed_experts)
         self.loader = W.WeightLoader(self.runner.model)
         self.tokenizer = _load_tokenizer(model_path)
         cfg = self.runner.config
