@@ -27,4 +27,13 @@ if ! py="$(find_py312)"; then
   exit 1
 fi
 [ "$#" -gt 0 ] || set -- tests/models tests/parallel
-PYTHON="$py" VENV="$root/.venv312" TORCH_VERSION=2.14.1 bash scripts/test.sh "$@"
+export PYTHON="$py" VENV="$root/.venv312" TORCH_VERSION=2.14.1
+bash scripts/setup.sh --dev
+# SGLang's own request contract and routed-experts reader (tests/models/
+# test_sglang_routed_experts.py) without its GPU parts: the wheel without dependencies plus
+# what those imports need; torchvision without dependencies so torch stays 2.14.1.
+"$VENV/bin/python" -m pip install --no-deps sglang==0.5.23 torchvision==0.29.1
+"$VENV/bin/python" -m pip install orjson msgspec psutil pybase64 requests packaging pillow \
+  starlette pydantic pyzmq tqdm IPython aiohttp triton apache-tvm-ffi sentencepiece \
+  compressed-tensors gguf openai partial-json-parser
+bash scripts/test.sh "$@"

@@ -178,7 +178,7 @@ def _replay_fn(rank, world, overrides, ro):
                 token_layers=int(served.sum()) * len(recorded), perturbed=perturbed)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [2])  # TP=2 with SP: each rank replays its own slice
 def test_replay_makes_perturbed_trainer_match_the_engine(served, tmp_path, tp):
     d, _, ro = served
     overrides = [f"model.hf_config={d}", f"model.hf_checkpoint={d}", "model.seq_length=1024",
