@@ -15,7 +15,7 @@ set -euo pipefail
 
 # Filled by the plan; declared here so a missing entry fails loudly under set -u.
 TG_STEP_FIRST=() TG_SERVER_NAME=() TG_SERVER_ROLE=() TG_SERVER_PORT=() TG_SERVER_GPUS=()
-TG_SERVER_LOG=() TG_SERVER_DIST=() TG_SERVER_NNODES=() TG_ENGINE_URLS=()
+TG_SERVER_LOG=() TG_SERVER_DIST=() TG_SERVER_NNODES=() TG_ENGINE_URLS=() TG_ENGINE_FLAGS=()
 TG_ENGINE="" TG_ENGINE_MODEL="" TG_JUDGE_MODEL="" TG_JUDGE_NAME=""
 # shellcheck source=/dev/null
 source "$TG_JOB_DIR/plan.env"
@@ -43,6 +43,7 @@ case "${TG_SERVER_ROLE[i]}" in
       read -r -a cmd <<<"${ENGINE_CMD:-$py -m megatron_tg.rollout.engine}"
       args=(--model "$TG_ENGINE_MODEL")
     fi
+    args+=("${TG_ENGINE_FLAGS[@]}")  # from the config, e.g. --enable-return-routed-experts
     read -r -a extra <<<"${ENGINE_ARGS:-}"
     ;;
   router)

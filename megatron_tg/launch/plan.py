@@ -162,6 +162,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     blockers: list[str] = field(default_factory=list)
     """Problems that stop a launch but not a dry-run (e.g. no judge model given)."""
+    engine_flags: list[str] = field(default_factory=list)
+    """Flags every engine server gets from the config (routing replay:
+    ``--enable-return-routed-experts``, which SGLang needs to return routed experts)."""
 
     @property
     def nodes(self) -> int:
@@ -370,7 +373,9 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         engine_model=(knobs.engine_model or cfg.model.hf_checkpoint or cfg.model.hf_config) if want_engines else "",
         engine_tp=tp if want_engines else 0, judge_model=judge_model if start_judge else "",
         judge_name=judge_name if judge_url else "", judge_url=judge_url, router_url=router_url,
-        servers=servers, steps=steps, train_args=train_args, notes=notes, blockers=blockers)
+        servers=servers, steps=steps, train_args=train_args, notes=notes, blockers=blockers,
+        engine_flags=["--enable-return-routed-experts"]
+        if want_engines and cfg.rollout.routing_replay else [])
 
 
 def _judge_needed(cfg: TGConfig) -> tuple[bool, str]:

@@ -90,6 +90,7 @@ def render_env(plan: Plan) -> str:
     lines.append(array("TG_JUDGE_HOSTS", plan.roles["judge"]))
     lines.append(array("TG_TRAIN_ARGS", plan.train_args))
     lines.append(array("TG_ENGINE_URLS", [s.url for s in plan.servers if s.role == "engine"]))
+    lines.append(array("TG_ENGINE_FLAGS", plan.engine_flags))
     for attr in ("name", "role", "ntasks", "tasks_per_node", "gpus_per_task", "gpus_per_node", "first",
                  "output"):
         lines.append(array(f"TG_STEP_{attr.upper()}", [getattr(s, attr) for s in plan.steps]))
