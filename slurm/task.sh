@@ -40,11 +40,13 @@ case "${TG_SERVER_ROLE[i]}" in
   engine)
     if [ "$TG_ENGINE" = sglang ]; then
       read -r -a cmd <<<"${ENGINE_CMD:-$py -m sglang.launch_server}"
-      args=(--model-path "$TG_ENGINE_MODEL" --tp-size "${TG_SERVER_GPUS[i]}" "${multi[@]}" "${TG_ENGINE_ARGS[@]}")
+      args=(--model-path "$TG_ENGINE_MODEL" --tp-size "${TG_SERVER_GPUS[i]}" "${multi[@]}")
     else
       read -r -a cmd <<<"${ENGINE_CMD:-$py -m megatron_tg.rollout.engine}"
       args=(--model "$TG_ENGINE_MODEL")
     fi
+    # Flags the recipe requires (plan.engine_flags: routed experts, deterministic inference).
+    args+=("${TG_ENGINE_ARGS[@]}")
     read -r -a extra <<<"${ENGINE_ARGS:-}"
     ;;
   router)

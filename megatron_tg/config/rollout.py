@@ -57,6 +57,13 @@ class RolloutConfig:
     """Most policy versions a rollout's sampler may lag the trainer (0 = fully on-policy, no
     overlap of generation and training). Older rollouts are dropped, not trained on."""
 
+    routing_replay: bool = True
+    """MoE only: engines return each token's routed experts (``return_routed_experts``; an
+    SGLang server also needs ``--enable-return-routed-experts``), rollouts store them, and the
+    student pass replays them through megatron's router replay, so the trainer scores the
+    experts that sampled. Without it, routing flips between engine and trainer change the
+    scored function (published GRPO runs on Qwen3-30B-A3B without replay collapsed)."""
+
     buffer_size: int = 16
     """Most finished groups queued for the trainer; generation pauses while it is full."""
 

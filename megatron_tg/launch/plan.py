@@ -103,7 +103,7 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         sync_master=sync_master, engine=engine if want else "",
         engine_model=(knobs.engine_model or cfg.model.hf_checkpoint or cfg.model.hf_config) if want else "",
         engine_tp=cfg.rollout.engine_tp if want else 0,
-        engine_args=engine_flags(cfg.rollout) if want and engine == "sglang" else [],
+        engine_args=engine_flags(cfg.rollout, engine) if want else [],
         judge_model=judge_model if z.start_judge else "",
         judge_name=judge_name if judge_url else "", judge_url=judge_url, router_url=router_url,
         servers=servers, steps=steps, train_args=train_args, notes=notes, blockers=blockers)
@@ -318,15 +318,21 @@ def _memory_check(cfg: TGConfig, world: int, accel: str) -> list[str]:
     return launch_check(cfg, world, accel)
 
 
-def engine_flags(r: RolloutConfig) -> list[str]:
-    """``sglang.launch_server`` flags that follow from the rollout config.
+def engine_flags(r: RolloutConfig, engine: str = "sglang") -> list[str]:
+    """Engine-server flags that follow from the rollout config (``engine``: "sglang" or the
+    embedded CPU engine, which takes the same flag names where it has the feature).
 
-    * ``rollout.sampling_seed`` set: ``--enable-deterministic-inference``. SGLang reads a
-      request's ``sampling_seed`` only in that mode (batch-invariant kernels; without it
-      the seed is ignored); the embedded CPU engine honours seeds always and needs no flag.
+    * ``rollout.routing_replay``: ``--enable-return-routed-experts``. SGLang returns a
+      request's routed experts only when the server was started with it (the embedded engine
+      records its routers' choices only then, too).
+    * ``rollout.sampling_seed`` set, SGLang only: ``--enable-deterministic-inference``. SGLang
+      reads a request's ``sampling_seed`` only in that mode (batch-invariant kernels; without
+      it the seed is ignored); the embedded engine honours seeds always and has no such flag.
     """
     flags = []
-    if r.sampling_seed is not None:
+    if r.routing_replay:
+        flags.append("--enable-return-routed-experts")
+    if r.sampling_seed is not None and engine == "sglang":
         flags.append("--enable-deterministic-inference")
     return flags
 

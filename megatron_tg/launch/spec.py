@@ -122,7 +122,8 @@ class Plan:
     engine_model: str
     engine_tp: int
     engine_args: list[str]
-    """SGLang flags the recipe itself requires (before ENGINE_ARGS); see :func:`engine_flags`."""
+    """Engine-server flags the recipe itself requires (before ENGINE_ARGS); see
+    :func:`megatron_tg.launch.plan.engine_flags`."""
     judge_model: str
     judge_name: str
     judge_url: str

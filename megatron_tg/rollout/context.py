@@ -13,7 +13,10 @@ call the engine under the :class:`~megatron_tg.rollout.manager.RolloutManager`:
 * a turn aborted by a weight update (pause mode ``abort``) is resubmitted after the update
   with the tokens generated so far appended to the input, and the pieces are concatenated,
   so the turn's token ids and log-probs stay exactly what the engine sampled;
-* it checks the engine's answer (log-probs present, one per token, ids in the vocabulary).
+* it checks the engine's answer (log-probs present, one per token, ids in the vocabulary);
+* with ``routing`` (routing replay) it asks each request for the routed experts of the
+  positions not covered yet (``routed_experts_start_len``) and collects them in
+  ``self.routed`` (:class:`~megatron_tg.rollout.routed_experts.RoutedExpertsBuilder`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import asyncio
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+from megatron_tg.rollout.engine.routing import decode_routed_experts
+from megatron_tg.rollout.routed_experts import RoutedExpertsBuilder
 
 
 class EngineError(RuntimeError):
@@ -99,7 +105,8 @@ def request_seed(*parts: int) -> int:
 class RolloutContext:
     def __init__(self, client, task: Any, *, group_id: str, rollout_id: str, index: int = 0,
                  gate: VersionGate | None = None, sampling_params: dict[str, Any] | None = None,
-                 max_aborts: int = 3, vocab_size: int | None = None, seed: int | None = None):
+                 max_aborts: int = 3, vocab_size: int | None = None, seed: int | None = None,
+                 routing: dict[str, Any] | None = None):
         self.client = client
         self.task = task
         self.group_id = group_id
@@ -113,6 +120,8 @@ class RolloutContext:
         self.seed = seed
         """Base of this rollout's per-request sampling seeds (None: the engine's own RNG)."""
         self.turns = 0
+        self.routed = RoutedExpertsBuilder(**routing) if routing else None
+        """The engine's routed experts of this rollout's tokens (routing replay), or None."""
 
     @property
     def version(self) -> int:
@@ -141,10 +150,15 @@ class RolloutContext:
                 p["sampling_seed"] = request_seed(self.seed, turn, k)
             if budget is not None:
                 p["max_new_tokens"] = budget - len(ids)
-            res = await self.client.generate(prompt + ids, p, return_logprob=True,
-                                             rid=f"{self.rollout_id}/t{turn}.{k}")
+            sent = prompt + ids
+            start = self.routed.start_for(sent) if self.routed is not None else 0
+            routing = ({"extra": {"return_routed_experts": True, "routed_experts_start_len": start}}
+                       if self.routed is not None else {})
+            res = await self.client.generate(sent, p, return_logprob=True,
+                                             rid=f"{self.rollout_id}/t{turn}.{k}", **routing)
             k += 1
             self._check(res)
+            self._collect_routing(sent, start, res)
             ids += [int(t) for t in res.output_ids]
             lps += [float(x) for x in res.output_logprobs]
             if res.finish_type != "abort":
@@ -167,6 +181,24 @@ class RolloutContext:
     def _out(ids, lps, versions, finish_type, res, resubmits) -> TurnOutput:
         return TurnOutput(ids, lps, min(versions), sorted(set(versions)), finish_type,
                           dict(res.finish_reason or {}), resubmits, res.weight_version)
+
+    def _collect_routing(self, sent: list[int], start: int, res) -> None:
+        if self.routed is None:
+            return
+        payload = res.meta_info.get("routed_experts")
+        if payload is None:
+            if res.finish_type == "abort":  # the resubmitted request covers these positions
+                return
+            raise MalformedOutputError(f"{self.rollout_id}: the engine returned no routed_experts "
+                                       "(SGLang needs --enable-return-routed-experts)")
+        fed = (sent + [int(t) for t in res.output_ids])[:-1]  # the last token is never fed
+        try:
+            rows = decode_routed_experts(payload, 1, self.routed.top_k)
+            self.routed.add(start, rows.reshape(len(fed) - start, -1, self.routed.top_k),
+                            fed[start:])
+        except ValueError as e:
+            raise MalformedOutputError(f"{self.rollout_id}: routed_experts from position {start} "
+                                       f"for {len(fed)} fed tokens: {e}") from e
 
     def _check(self, res) -> None:
         if res.output_logprobs is None:

@@ -89,7 +89,8 @@ class RolloutGroup:
 class RolloutManager:
     def __init__(self, client, rollout_fn: RolloutFn, tasks: Sequence[Any], config, *,
                  sampling_params: dict[str, Any] | None = None, epochs: int | None = 1,
-                 vocab_size: int | None = None, initial_version: int = 0, max_consecutive_failures: int = 16):
+                 vocab_size: int | None = None, initial_version: int = 0, max_consecutive_failures: int = 16,
+                 routing: dict[str, Any] | None = None):
         """``config``: a :class:`~megatron_tg.config.rollout.RolloutConfig` (group_size,
         buffer_size, prompts_per_step, max_staleness, stale_policy, pause_mode, max_retries,
         max_inflight_rollouts and the sampling defaults). ``epochs=None`` cycles the tasks
@@ -100,6 +101,8 @@ class RolloutManager:
         self.client, self.rollout_fn, self.tasks, self.cfg = client, rollout_fn, list(tasks), config
         self.epochs = epochs
         self.vocab_size = vocab_size
+        # Routing replay: RoutedExpertsBuilder arguments (the model's MoE layout), or None.
+        self.routing = routing
         self.sampling_params = {"temperature": config.temperature, "top_p": config.top_p,
                                 "max_new_tokens": config.max_new_tokens, **(sampling_params or {})}
         self.gate = VersionGate(initial_version)
@@ -224,7 +227,7 @@ class RolloutManager:
         # regenerated on the same weights (after a resume) samples the same tokens.
         ctxs = [RolloutContext(self.client, task, group_id=gid, rollout_id=f"{gid}/{i}", index=i, gate=self.gate,
                                sampling_params=self.sampling_params, max_aborts=self.cfg.max_retries,
-                               vocab_size=self.vocab_size,
+                               vocab_size=self.vocab_size, routing=self.routing,
                                seed=None if base_seed is None else request_seed(base_seed, item.index, i))
                 for i in range(self.cfg.group_size)]
         subs = [asyncio.create_task(self.rollout_fn(c)) for c in ctxs]
@@ -256,6 +259,8 @@ class RolloutManager:
                 if not isinstance(r, Rollout):
                     raise TypeError(f"rollout function returned {type(r).__name__}, not Rollout")
                 r.group_id, r.rollout_id = gid, r.rollout_id or ctx.rollout_id
+                if ctx.routed is not None and r.routed_experts is None:
+                    r.routed_experts = ctx.routed.for_rollout(r.token_ids)
                 r.validate(self.vocab_size)
         except asyncio.CancelledError:  # stop(): the prompt stays in _running; stop() requeues it
             for s in pending:

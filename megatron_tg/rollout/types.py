@@ -31,6 +31,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Literal
 
+from megatron_tg.rollout.errors import FramingError, RolloutFormatError  # noqa: F401 (re-exported)
+from megatron_tg.rollout.routed_experts import RoutedExperts
+
 FORMAT_VERSION = 1
 SEGMENT_KINDS = ("prompt", "assistant", "tool", "user")
 FINISH_REASONS = ("stop", "length", "max_turns", "timeout", "error", "abort")
@@ -40,22 +43,6 @@ failure; abort: cancelled (e.g. weights updated mid-rollout and the caller chose
 
 # Engines report log-probs in float32 and sometimes round a certain token to a hair above 0.
 LOGPROB_TOLERANCE = 1e-4
-
-
-class FramingError(ValueError):
-    """The conversation / template / tokens do not line up as the chat framing requires.
-
-    Raised by :mod:`megatron_tg.chat.framing`; defined with the data model so that the rollout
-    manager can classify it without importing the chat package (chat depends on rollout,
-    never the reverse)."""
-
-
-class RolloutFormatError(ValueError):
-    """A malformed rollout; ``field`` names the offending field (e.g. ``segments[2].logprobs``)."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"{field}: {message}")
 
 
 @dataclass(frozen=True)
@@ -150,6 +137,9 @@ class Rollout:
     rollout_id: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form, JSON-able; e.g. hidden-test results read by the ``tests_pass`` checker."""
+    routed_experts: "RoutedExperts | None" = None
+    """The engine's expert choice per token (routing replay; see
+    :mod:`megatron_tg.rollout.routed_experts`), or None."""
 
     # ------------------------------------------------------------------ structure helpers
     def assistant_turns(self) -> list[Segment]:
@@ -234,6 +224,8 @@ class Rollout:
             raise RolloutFormatError(f"segments[{len(self.segments) - 1}].end",
                                      f"{prev_end} != len(token_ids) {n}: segments must cover "
                                      "every token")
+        if self.routed_experts is not None:
+            self.routed_experts.validate(n)
         return self
 
     def _validate_segment(self, i: int, seg: Segment, prev_end: int, n: int) -> None:
@@ -304,6 +296,8 @@ class Rollout:
             "token_ids": list(self.token_ids),
             "segments": [s.to_dict() for s in self.segments],
             "metadata": self.metadata,
+            **({"routed_experts": self.routed_experts.to_dict()}
+               if self.routed_experts is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -319,7 +313,8 @@ class Rollout:
         if not isinstance(d, dict):
             raise RolloutFormatError("<rollout>", f"expected an object, got {type(d).__name__}")
         _check_keys(d, required=("task_id", "group_id", "token_ids", "segments", "finish_reason"),
-                    optional=("format_version", "rollout_id", "metadata"), where="<rollout>")
+                    optional=("format_version", "rollout_id", "metadata", "routed_experts"),
+                    where="<rollout>")
         ver = d.get("format_version", FORMAT_VERSION)
         if ver != FORMAT_VERSION:
             raise RolloutFormatError("format_version", f"unsupported {ver!r} (reader: {FORMAT_VERSION})")
@@ -330,6 +325,8 @@ class Rollout:
             segments=[Segment.from_dict(s, f"segments[{i}]") for i, s in enumerate(d["segments"])],
             finish_reason=d["finish_reason"], rollout_id=d.get("rollout_id", ""),
             metadata=d.get("metadata", {}),
+            routed_experts=(RoutedExperts.from_dict(d["routed_experts"])
+                            if d.get("routed_experts") is not None else None),
         )
         return r.validate() if validate else r
 

@@ -134,16 +134,53 @@ class MicroBatch:
     expert_prefix: PrefixPlan | None = None
     """With prefix reuse: ``expert`` holds only the expert sequences' suffixes (from the first
     inserted feedback on) and this says where their prefix keys are in the student's rows."""
+    routed_experts: torch.Tensor | None = None
+    """[B·S, layers, top_k] the engine's expert ids per student token, in flat ``b·S + s``
+    order (routing replay; None: route freely). Positions without an engine row (padding,
+    a rollout's last token) get experts 0..k-1: they influence no loss row."""
+    routed_layers: tuple[int, ...] = ()
+    """Decoder-layer index of each layer slice of ``routed_experts``."""
+
+
+def routed_experts_layout(samples: Sequence[TrainSample], student: PackedRows
+                          ) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The samples' engine routing laid out like ``student``'s tokens (see MicroBatch)."""
+    missing = [s.rollout.rollout_id for s in samples if s.rollout.routed_experts is None]
+    if missing:
+        raise ValueError(f"routing replay is on but rollout(s) {missing[:3]} carry no routed "
+                         "experts (engine without --enable-return-routed-experts?)")
+    first = samples[0].rollout.routed_experts
+    for s in samples:
+        re = s.rollout.routed_experts
+        # A loss row's hidden state depends on the routing of every position up to it: the
+        # rows must reach the position before the last generated token.
+        need = max((seg.end for seg in s.rollout.assistant_turns()), default=1) - 1
+        if re.rows < need:
+            raise ValueError(f"rollout {s.rollout.rollout_id!r}: routed experts cover "
+                             f"{re.rows} positions, its loss needs {need}")
+        if re.layers != first.layers or re.top_k != first.top_k:
+            raise ValueError(f"rollout {s.rollout.rollout_id!r}: routed experts for layers "
+                             f"{re.layers} x top-{re.top_k}, others {first.layers} x top-{first.top_k}")
+    b, width = student.tokens.shape
+    out = torch.arange(first.top_k, dtype=torch.uint8 if first.num_experts <= 256 else torch.int16)
+    out = out.repeat(b * width, len(first.layers), 1)
+    for k, s in enumerate(samples):
+        ids = torch.from_numpy(s.rollout.routed_experts.ids.copy())
+        start = student.flat(k, 0)
+        out[start:start + ids.shape[0]] = ids.to(out.dtype)
+    return out, tuple(first.layers)
 
 
 def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveConfig, *,
                       row_tokens: int, pad_multiple: int = 1, framing: str = "user",
-                      pad_id: int = 0, prefix_reuse: bool = False) -> MicroBatch:
+                      pad_id: int = 0, prefix_reuse: bool = False,
+                      routing_replay: bool = False) -> MicroBatch:
     """Pack ``samples`` into one micro-batch (student rows, gates, expert rows).
 
     ``prefix_reuse`` (shared-weight expert only): pack only the expert sequences' suffixes,
     from their first inserted feedback on; the expert pass takes the prefix keys/values from
-    the student pass (:mod:`megatron_tg.train.prefix_kv`)."""
+    the student pass (:mod:`megatron_tg.train.prefix_kv`). ``routing_replay``: lay out the
+    engine's routed experts for the student pass (every sample must carry them)."""
     student = pack([s.rollout.token_ids for s in samples], row_tokens, pad_multiple, pad_id)
     rows, targets, behaviour, rindex, failed, thinking = [], [], [], [], [], []
     tokref: list[tuple[int, int]] = []  # (sample, token index) of each loss row
@@ -215,5 +252,7 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
         gate=gate, turn_index=fields[3].long(), advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         expert=expert, expert_rows=torch.tensor(expert_rows, dtype=torch.long),
         num_rollouts=len(samples), num_tokens=sum(len(s.rollout.token_ids) for s in samples),
-        expert_prefix=plan)
+        expert_prefix=plan,
+        **(dict(zip(("routed_experts", "routed_layers"), routed_experts_layout(samples, student)))
+           if routing_replay else {}))
 

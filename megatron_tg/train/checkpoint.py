@@ -94,7 +94,10 @@ def _with_data(sharded: dict[str, Any], tensors: dict[str, torch.Tensor],
     sharding, the given dtype)."""
     out = dict(sharded)
     for name, t in tensors.items():
-        sh = out[prefix + name]
+        sh = out.get(prefix + name)
+        if sh is None:
+            raise KeyError(f"the expert's sharded state has no entry {prefix + name!r} for the "
+                           f"EMA parameter {name!r}")
         fields = {f.name for f in dataclasses.fields(sh)}
         out[prefix + name] = dataclasses.replace(
             sh, data=t, **({"dtype": t.dtype} if "dtype" in fields else {}))

@@ -137,6 +137,20 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     return samples, lost, metrics
 
 
+def routing_spec(cfg: TGConfig) -> dict[str, Any] | None:
+    """The MoE layout the rollouts' routed experts are collected for, when routing replay is
+    on for a MoE policy (arguments of RoutedExpertsBuilder); else None."""
+    if not cfg.rollout.routing_replay:
+        return None
+    from megatron_tg.models.qwen3_moe import Qwen3Arch
+
+    arch = Qwen3Arch.from_hf(cfg.model.hf_config)
+    if not arch.is_moe:
+        return None
+    return dict(moe_layers=arch.moe_layers, num_layers=arch.num_layers,
+                top_k=arch.num_experts_per_tok, num_experts=arch.num_experts)
+
+
 class RolloutSide:
     """Engines + client + manager + judge, driven from the trainer's main thread."""
 
@@ -163,7 +177,9 @@ class RolloutSide:
             if engine_model_dir is None:
                 raise ValueError("the embedded engine needs an HF model directory to serve")
             self.engines = start_engines([Path(engine_model_dir)] * cfg.rollout.num_engines,
-                                         Path(log_dir) / "engines")
+                                         Path(log_dir) / "engines",
+                                         extra_args=["--enable-return-routed-experts"]
+                                         if routing_spec(cfg) else [])
             urls = [e.url for e in self.engines]
         else:
             urls = list(cfg.rollout.server_urls)
@@ -177,7 +193,8 @@ class RolloutSide:
             self.client = SGLangClient(urls, timeout_s=r.request_timeout_s,
                                        max_retries=r.max_retries)
         self.manager = RolloutManager(self.client, rollout_fn, tasks, r, epochs=None,
-                                      vocab_size=len(tokenizer), initial_version=version)
+                                      vocab_size=len(tokenizer), initial_version=version,
+                                      routing=routing_spec(cfg))
         self.judge = Judge(rubric, tokenizer, llm=llm, tool_call_reading=r.tool_call_reading)
         self.weight_group = None
         self.last_judged: list[tuple[Rollout, Any]] = []

@@ -5,7 +5,10 @@ at the gated rows are kept ([G, H]); its activations are freed before the studen
 builds the autograd graph. With prefix reuse (the shared expert) the student runs first and
 the expert pass covers only the suffixes (see :mod:`megatron_tg.train.prefix_kv`). Neither
 pass materialises logits: the fused vocab-parallel ops compute the output layer at the loss
-rows only, chunk by chunk.
+rows only, chunk by chunk. With routing replay (``mb.routed_experts``) only the student
+forward replays the engine's expert choice; the expert pass routes freely (its feedback
+context was never served). The caller sets the backward action and clears the ids
+(:mod:`megatron_tg.train.routing`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from megatron_tg.objectives import LossOutput, PolicyBatch, TGObjective, select_
 from megatron_tg.train.batching import MicroBatch
 from megatron_tg.train.policy import forward_hidden, unwrap
 from megatron_tg.train.prefix_kv import record_kv, reuse_kv
+from megatron_tg.train.routing import replay_routing
 
 
 def ops_reduce_hidden_grad(model: torch.nn.Module) -> bool:
@@ -46,6 +50,11 @@ def expert_hidden_states(expert_model: torch.nn.Module, mb: MicroBatch, *,
         return select_rows(out.hidden, mb.expert_rows).detach(), out.output_weight.detach()
 
 
+def _replay(model: torch.nn.Module, mb: MicroBatch):
+    b, width = mb.student.tokens.shape
+    return replay_routing(model, mb.routed_experts, mb.routed_layers, b, width)
+
+
 def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBatch, *,
                      vocab_size: int, expert_model: torch.nn.Module | None = None,
                      num_rollouts: float | None = None, num_assistant_tokens: float | None = None,
@@ -65,7 +74,7 @@ def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBa
         if expert_model is not None:
             raise ValueError("prefix reuse needs the shared-weight expert (objective.expert=shared)")
         gpt = unwrap(model)
-        with record_kv(gpt) as store:
+        with record_kv(gpt) as store, _replay(model, mb):
             student = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
                                      mb.student.attention_mask)
         expert_hidden = expert_weight = None
@@ -82,8 +91,9 @@ def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBa
     else:
         expert_hidden, expert_weight = expert_hidden_states(expert_model or model, mb,
                                                             lockstep=expert_lockstep)
-        student = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
-                                 mb.student.attention_mask)
+        with _replay(model, mb):
+            student = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
+                                     mb.student.attention_mask)
     batch = PolicyBatch(
         target_ids=mb.target_ids, behaviour_logprobs=mb.behaviour_logprobs,
         loss_mask=mb.loss_mask, rollout_index=mb.rollout_index, advantages=mb.advantages,

@@ -30,6 +30,7 @@ from megatron_tg.train.checkpoint import Checkpointer
 from megatron_tg.train.ema import ShardedEMA
 from megatron_tg.train.optim import build_optimizer
 from megatron_tg.train.policy import unwrap
+from megatron_tg.train.routing import clear_replay, replay_backward
 from megatron_tg.train.samples import TurnStats, TurnStatsAccumulator
 from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
 
@@ -68,9 +69,12 @@ class Trainer:
                                  backend=p.backend)
         self.arch = Qwen3Arch.from_hf(cfg.model.hf_config)
         dtype = _DTYPES[cfg.model.params_dtype]
+        # Routing replay: the policy's routers get megatron's RouterReplay; the expert copy
+        # below is built without it (megatron's global instance list must hold only these).
+        self.routing_replay = bool(cfg.rollout.routing_replay and self.arch.is_moe)
         model = build_model(self.arch, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
                             params_dtype=dtype, seq_length=cfg.model.seq_length,
-                            recompute=cfg.model.recompute)
+                            recompute=cfg.model.recompute, routing_replay=self.routing_replay)
         self._load_initial_weights(model)
         self.model = DistributedDataParallel(
             config=model.config, module=model,
@@ -181,7 +185,8 @@ class Trainer:
         batches = [build_micro_batch(group, self.tokenizer, self.cfg.objective, row_tokens=budget,
                                      pad_multiple=tp, framing=self.cfg.judge.feedback_role,
                                      pad_id=self.tokenizer.pad_token_id or 0,
-                                     prefix_reuse=self.prefix_reuse) for group in micro]
+                                     prefix_reuse=self.prefix_reuse,
+                                     routing_replay=self.routing_replay) for group in micro]
         # Step totals: every micro-batch normalises by the whole step, not by itself.
         totals = dict(num_rollouts=len(samples),
                       num_assistant_tokens=float(sum(int(mb.loss_mask.sum()) for mb in batches)),
@@ -198,11 +203,14 @@ class Trainer:
             out = micro_batch_loss(self.model, self.objective, mb, vocab_size=self.arch.vocab_size,
                                    expert_model=self.expert_model, expert_lockstep=need_expert,
                                    prefix_reuse=self.prefix_reuse, **totals)
+            replay_backward(self.model)  # a recomputed forward replays the same experts
             if padding:  # collectives only: this rank's data is used up, add nothing
                 (out.loss * 0.0).backward()
+                clear_replay(self.model)
                 continue
             group = micro[i]
             out.loss.backward()
+            clear_replay(self.model)  # the ids accumulate otherwise
             if turn_stats is not None:
                 turn_stats.add(mb, group, out.rows)
             for k, v in {"loss": out.loss, **out.metrics}.items():
@@ -227,6 +235,7 @@ class Trainer:
         metrics.update({f"optim/{k}": v for k, v in opt_metrics.items()})
         metrics["optim/lr"] = self.optimizer.lr
         metrics["train/micro_batches"] = len(micro)
+        metrics["train/routing_replay"] = float(self.routing_replay)
         metrics = self._mean_over_dp(metrics)
         if turn_stats is not None:
             self.turn_stats = self._union_over_dp(turn_stats.result())

@@ -101,7 +101,6 @@ def test_the_serve_command_and_a_harness_configured_by_url(tok, tmp_path):
     import socket
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     import megatron_tg

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_tg.agent.sandbox import rmtree
-from megatron_tg.agent.tasks import (Task, TaskFormatError, builtin_tasks, load_tasks, materialize,
+from megatron_tg.agent.tasks import (Task, TaskFormatError, load_tasks, materialize,
                                      write_files)
 from megatron_tg.agent.tools import Tools, search_lines, terms, tool_specs
 

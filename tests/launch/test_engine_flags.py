@@ -20,7 +20,8 @@ JUDGE = Knobs(judge_model="models/judge", job_dir="JOB")
 def test_sampling_seed_turns_on_deterministic_inference(tmp_path):
     seeded = make_plan(R30, ["rollout.sampling_seed=11"], JUDGE)
     plain = make_plan(R30, [], JUDGE)
-    assert seeded.engine_args == ["--enable-deterministic-inference"] and plain.engine_args == []
+    assert seeded.engine_args == ["--enable-return-routed-experts", "--enable-deterministic-inference"]
+    assert plain.engine_args == ["--enable-return-routed-experts"]  # routing replay is on by default
     assert "flags --enable-deterministic-inference" in R.render_text(seeded)
     argv = task_argv(seeded, tmp_path, step=0, local_id=3)
     assert argv[:4] == ["--model-path", seeded.engine_model, "--tp-size", "2"]
@@ -40,6 +41,7 @@ def test_judge_and_router_do_not_get_engine_flags(tmp_path):
 
 def test_embedded_engines_need_no_flag():
     # The CPU engine honours sampling_seed always; SGLang's flag would be an unknown argument.
+    # It does take the routed-experts flag (it records its routers' choices only with it).
     plan = make_plan(TINY, ["rollout.engine=sglang", "rollout.sampling_seed=3", "parallel.backend=gloo"],
                      Knobs(engine="embedded", accel="cpu", gpus_per_node=1, train_nodes=1, rollout_nodes=1))
-    assert plan.engine == "embedded" and plan.engine_args == []
+    assert plan.engine == "embedded" and plan.engine_args == ["--enable-return-routed-experts"]

@@ -215,3 +215,13 @@ def test_cli_errors_are_one_line_and_out_dir_writes_all_formats(tmp_path, capsys
     assert P.main(["--recipe", R30, "--judge-model", "j", "--format", "env", "--out-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out == (tmp_path / "plan.env").read_text()
     assert {p.name for p in tmp_path.iterdir()} == {"plan.env", "plan.txt", "plan.json"}
+
+
+def test_engines_get_the_routed_experts_flag_with_routing_replay(tmp_path):
+    env = tmp_path / "plan.env"
+    for override, want in (([], "--enable-return-routed-experts"),
+                           (["rollout.routing_replay=false"], "")):
+        env.write_text(R.render_env(make_plan(R30, override, JUDGE)))
+        out = subprocess.run(["bash", "-c", 'source "$1"; printf "%s" "${TG_ENGINE_ARGS[*]}"',
+                              "bash", str(env)], capture_output=True, text=True, check=True)
+        assert out.stdout == want

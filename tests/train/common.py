@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from megatron_tg.chat import get_tiny_tokenizer
 from megatron_tg.chat.builder import simulate_rollout
+from megatron_tg.models.qwen3_moe import Qwen3Arch
+from megatron_tg.rollout.routed_experts import RoutedExperts
 from megatron_tg.train.batching import TrainSample
 from tests.chat.convos import SEARCH_TOOL, conversation
 from tests.models.qwen3_moe.common import tiny_hf_model
@@ -18,6 +21,12 @@ def tiny_policy():
 
 
 def _hf_logprobs(state, cfg, ids):
+    return _hf_forward(state, cfg, ids)[0]
+
+
+def _hf_forward(state, cfg, ids):
+    """(per-token log-probs, routed experts [T - 1, moe_layers, k]) of the HF model: what
+    the embedded engine reports for these tokens."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).eval()
@@ -37,14 +46,18 @@ def _hf_logprobs(state, cfg, ids):
             sd[name] = state[name]
     model.load_state_dict(sd)
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    return [0.0] + [lp[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
+        out = model(torch.tensor([ids]), output_router_logits=True)
+    lp = torch.log_softmax(out.logits[0].float(), -1)
+    k = cfg["num_experts_per_tok"]
+    routed = torch.stack([torch.topk(g.float().softmax(-1), k).indices for g in out.router_logits],
+                         dim=1)[:-1]  # the last token is never fed to an engine
+    return [0.0] + [lp[i - 1, t].item() for i, t in enumerate(ids) if i > 0], routed
 
 
 def make_samples(tok, cfg, state, n: int = 4, seed: int = 0) -> list[TrainSample]:
     """n rollouts (2 per group) of the 4-turn fixture conversation, with varied lengths and
-    failing turns; behaviour log-probs = the HF model's + noise (exercises ratio/clip/TIS)."""
+    failing turns; behaviour log-probs = the HF model's + noise (exercises TIS), routed
+    experts = the HF model's (what the embedded engine returns; exercises routing replay)."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for k in range(n):
@@ -53,7 +66,10 @@ def make_samples(tok, cfg, state, n: int = 4, seed: int = 0) -> list[TrainSample
             msgs = msgs[:6]
         ro = simulate_rollout(tok, msgs, tools=[SEARCH_TOOL], group_id=f"g{k // 2}",
                               rollout_id=f"r{k}")
-        lps = _hf_logprobs(state, cfg, ro.token_ids)
+        lps, routed = _hf_forward(state, cfg, ro.token_ids)
+        arch = Qwen3Arch.from_hf(cfg)
+        ro.routed_experts = RoutedExperts(routed.numpy().astype(np.uint8), arch.moe_layers,
+                                          arch.num_experts)
         for seg in ro.assistant_turns():
             seg.logprobs = [lps[i] + 0.3 * float(torch.randn((), generator=g))
                             for i in range(seg.start, seg.end)]

@@ -28,7 +28,7 @@ def _ema_fn(rank, world, overrides, samples):
     history = [(full(), masters())]
     shard_numel = sum(e.numel() for e in trainer.ema.ema)
     dp = trainer.ctx.dims.dp
-    for _ in range(3):
+    for _ in range(2):
         trainer.train_step(samples[rank % dp::dp])
         history.append((full(), masters()))
     expert = {n: p.detach().clone() for n, p in trainer.expert_model.named_parameters()}

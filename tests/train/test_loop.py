@@ -106,6 +106,9 @@ def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
                 "optim/grad_norm", "reward/mean"):
         assert key in last, sorted(last)
     assert last["sync/tensors"] > 0 and last["rollout/staleness_max"] <= 1
+    # Routing replay is on by default for a MoE policy: the engines returned routed experts
+    # and every step's student pass replayed them (a rollout without them is an error).
+    assert all(r["train/routing_replay"] == 1.0 for r in rows)
     # real generation happened: turns, tokens, and a loss over assistant tokens
     assert all(r["rollout/turns"] >= 1 and r["rollout/response_tokens"] > 0 for r in rows)
     assert all(r["entropy/all"] > 0 for r in rows)

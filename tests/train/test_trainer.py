@@ -61,6 +61,8 @@ def test_micro_batching_does_not_change_the_update(checkpoint, tmp_path):
     # TIS is on: π_old is the student's own log-probs (ratio exactly 1), and the weights
     # π_old/π_behaviour spread with the fixture's 0.3-nat noise on the behaviour log-probs.
     m = one[0]
+    print("IS weights:", {k: f"{m[k]:.3g}" for k in sorted(m) if k.startswith("pg/is_")
+                          or k == "pg/engine_logprob_gap"})
     assert m["pg/ratio_mean"] == 1.0 and m["pg/clip_frac"] == 0.0
     assert m["pg/is_weight_min"] < 0.8 < 1.25 < m["pg/is_weight_max"]
     assert 0.1 < m["pg/is_weight_std"] and 0.1 < m["pg/engine_logprob_gap"] < 0.5

@@ -189,9 +189,14 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, cp: int = 1
                        etp: int | None = None, params_dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool | None = None, on_cpu: bool | None = None,
                        moe_aux_loss_coeff: float = 0.0, recompute: str = "none",
-                       perform_initialization: bool = True):
+                       perform_initialization: bool = True, routing_replay: bool = False):
     """Build the megatron ``TransformerConfig`` for ``arch`` under a parallel layout.
-    ``recompute`` is one of :data:`RECOMPUTE_MODES` (see :func:`recompute_kwargs`)."""
+
+    ``recompute`` is one of :data:`RECOMPUTE_MODES` (see :func:`recompute_kwargs`).
+    ``routing_replay``: give every MoE router a megatron ``RouterReplay`` instance
+    (``moe_enable_routing_replay``), so the trainer can impose the engine's expert choice
+    (:mod:`megatron_tg.train.routing`). Only the policy is built with it: megatron keeps
+    one global list of replay instances, and an expert copy must not add to it."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = (not torch.cuda.is_available()) if on_cpu is None else on_cpu
@@ -231,6 +236,8 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, cp: int = 1
             moe_aux_loss_coeff=moe_aux_loss_coeff,
             moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
             moe_permute_fusion=False,
+            # The fused top-k kernel bypasses RouterReplay: it must stay off with replay.
+            moe_router_fusion=False, moe_enable_routing_replay=routing_replay,
         )
     return TransformerConfig(**kwargs)
 

@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--attn-implementation", default=None, help="e.g. sdpa or eager (default: transformers')")
     ap.add_argument("--sglang-version", default="0.5.23",
                     help="the SGLang release whose weight-update rules the engine enforces")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="record each token's routed experts (SGLang's flag; requests then "
+                         "may set return_routed_experts)")
     ap.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "INFO"))
     args = ap.parse_args(argv)
     # Slurm's pre-time-limit warning (SIGUSR1) is signalled to every process of the trainer's
@@ -43,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         weight_version=args.weight_version,
         attn_implementation=args.attn_implementation,
         sglang_version=args.sglang_version,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
     logging.getLogger(__name__).info("serving %s on http://%s:%d", args.model, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)

@@ -63,7 +63,7 @@ def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0
                   threads: int = 1, extra_args: Sequence[str] = ()) -> list[Engine]:
     """Start engine subprocesses (in parallel) and wait until each answers /health.
 
-    ``extra_args`` go to every engine's command line (e.g. ``--sglang-version 0.5.20``)."""
+    ``extra_args`` go to every engine's command line (e.g. ``--enable-return-routed-experts``)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", ENGINE_LOG_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")

@@ -9,6 +9,11 @@ the attention mask hides padded columns.
 
 Padded key/value slots are zeroed after prefill: with SDPA a fully masked query row
 can produce non-finite values, and even a masked NaN poisons ``softmax @ V``.
+
+With ``capture_routing`` every forward also records the experts each MoE router picked
+for each fed token (``last_routing``: [B, T, moe_layers, top_k], the model's own top-k, read
+from its router modules by forward hooks), which the scheduler returns like SGLang's
+``return_routed_experts``.
 """
 
 from __future__ import annotations
@@ -65,8 +70,49 @@ def _map_kv(cache, fn) -> None:
         setattr(holder, va, fn(getattr(holder, va)))
 
 
+class _RoutingCapture:
+    """Forward hooks on every MoE router: the top-k expert ids of the last forward.
+
+    transformers 5 routes in a ``*TopKRouter`` module returning (logits, scores, indices);
+    older versions expose only the gate ``Linear`` of the sparse MoE block, whose top-k of
+    the softmax is what those versions' block computes."""
+
+    def __init__(self, model: torch.nn.Module, top_k: int) -> None:
+        self.top_k = top_k
+        self.captured: list[torch.Tensor | None] = []
+        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if routers:
+            hooks = [(m, self._from_router) for m in routers]
+        else:
+            hooks = [(m.gate, self._from_gate) for m in model.modules()
+                     if type(m).__name__.endswith("SparseMoeBlock") and hasattr(m, "gate")]
+        if not hooks:
+            raise ValueError(f"{type(model).__name__} has no MoE router to capture routing from")
+        self.num_layers = len(hooks)
+        for i, (module, fn) in enumerate(hooks):
+            module.register_forward_hook(lambda mod, args, out, i=i, fn=fn: fn(i, out))
+
+    def _from_router(self, i: int, out) -> None:
+        self.captured[i] = out[2].detach().clone()
+
+    def _from_gate(self, i: int, out) -> None:
+        probs = torch.softmax(out.detach().float(), dim=-1)
+        self.captured[i] = torch.topk(probs, self.top_k, dim=-1).indices
+
+    def start(self) -> None:
+        self.captured = [None] * self.num_layers
+
+    def result(self, batch: int, tokens: int) -> torch.Tensor:
+        """[B, T, layers, top_k] int16 of the forward since :meth:`start`."""
+        if any(c is None for c in self.captured):
+            raise RuntimeError("a MoE router did not run in this forward")
+        return torch.stack(self.captured, dim=1).to(torch.int16).view(
+            batch, tokens, self.num_layers, self.top_k)
+
+
 class ModelRunner:
-    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32,
+                 attn_implementation: str | None = None, capture_routing: bool = False):
         from transformers import AutoModelForCausalLM
 
         kwargs = {}
@@ -81,6 +127,18 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         # transformers 5.x renamed past_key_values -> cache (the old name warns).
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.routing = (_RoutingCapture(model, int(self.config.num_experts_per_tok))
+                        if capture_routing else None)
+        self.last_routing: torch.Tensor | None = None
+        """[B, T, moe_layers, top_k] routed experts of the last prefill/decode (capture on)."""
+
+    def _forward(self, ids: torch.Tensor, **kw):
+        if self.routing is not None:
+            self.routing.start()
+        out = self.model(input_ids=ids, **kw)
+        if self.routing is not None:
+            self.last_routing = self.routing.result(*ids.shape)
+        return out
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -107,8 +165,8 @@ class ModelRunner:
             mask[b, t - len(s):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = self._new_cache()
-        out = self.model(
-            input_ids=ids,
+        out = self._forward(
+            ids,
             attention_mask=mask,
             position_ids=pos,
             use_cache=True,
@@ -127,8 +185,8 @@ class ModelRunner:
         """Feed one token per row; return next-token logits [B, V]."""
         ids = torch.tensor(tokens, dtype=torch.long).view(-1, 1)
         state.mask = torch.cat([state.mask, torch.ones(state.size, 1, dtype=torch.long)], dim=1)
-        out = self.model(
-            input_ids=ids,
+        out = self._forward(
+            ids,
             attention_mask=state.mask,
             position_ids=state.next_pos.view(-1, 1),
             use_cache=True,

@@ -161,6 +161,10 @@ class GenRequest:
     finish_reason: dict[str, Any] | None = None
     num_retractions: int = 0
     weight_version: str = ""  # the engine's version when the request finished
+    # Routed experts (see routing.py): asked for, from which position, and the result.
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    routed_experts: Any = None  # [rows, moe_layers, top_k] tensor once finished
 
 
 def finish_stop(matched: int | str) -> dict[str, Any]:
@@ -227,6 +231,9 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenRequest], b
     tn = body.get("top_logprobs_num")
     tns = _as_list(0 if tn is None else tn, n_prompts, "top_logprobs_num") if batched else [0 if tn is None else tn]
 
+    from .routing import parse_routing_fields
+
+    routing = parse_routing_fields(body, n_prompts, batched)
     rid = body.get("rid")
     if isinstance(rid, list):
         if len(rid) != n_prompts:
@@ -260,6 +267,8 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenRequest], b
                     return_logprob=bool(rls[i]),
                     logprob_start_len=int(lss[i]),
                     top_logprobs_num=int(tns[i] or 0),
+                    return_routed_experts=routing[i][0],
+                    routed_experts_start_len=routing[i][1],
                 )
             )
     return reqs, not batched and not any_n
@@ -298,6 +307,10 @@ def build_response(req: GenRequest, weight_version: str, tokenizer) -> dict[str,
                 None if row is None else [[_finite(lp), t, None] for lp, t in row] for row in req.input_top_logprobs
             ]
             meta["output_top_logprobs"] = [[[_finite(lp), t, None] for lp, t in row] for row in req.output_top_logprobs]
+    if req.return_routed_experts and req.routed_experts is not None:
+        from .routing import encode_routed_experts
+
+        meta["routed_experts"] = encode_routed_experts(req.routed_experts)
     out: dict[str, Any] = {}
     if tokenizer is not None:
         # Without a tokenizer the engine behaves like SGLang's --skip-tokenizer-init:

@@ -32,6 +32,7 @@ import torch
 
 from .model_runner import BatchState, ModelRunner
 from .protocol import GenRequest, finish_abort, finish_length, finish_stop
+from .routing import start_len_error
 from .sampling import prompt_logprobs, sample_next
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ class _Slot:
     generator: torch.Generator | None = None
     aborted: str | None = None  # abort message, set from the inbox
     prefilled_once: bool = False
+    routing: list[torch.Tensor] | None = None
+    """Routed experts of every token fed so far, in position order ([n, layers, top_k]
+    pieces: the prefill's, then one per decode step); only when the request asks."""
 
 
 @dataclass
@@ -217,7 +221,10 @@ class Scheduler:
         new, self.waiting = self.waiting[:room], self.waiting[room:]
         ready = []
         for slot in new:
-            if slot.req.params.max_new_tokens == 0 and not slot.req.output_ids:
+            error = self._routing_error(slot.req)
+            if error is not None:
+                self._finish(slot, finish_abort(error, status_code=400))
+            elif slot.req.params.max_new_tokens == 0 and not slot.req.output_ids:
                 self._finish(slot, finish_length(0))
             else:
                 ready.append(slot)
@@ -243,6 +250,10 @@ class Scheduler:
         seqs = [s.req.input_ids + s.req.output_ids for s in ready]
         want_prompt_lp = [s.req.return_logprob and s.req.logprob_start_len >= 0 and not s.prefilled_once for s in ready]
         state, logits = self.runner.prefill(seqs, full_logits=any(want_prompt_lp))
+        t_all = state.mask.shape[1]
+        for b, slot in enumerate(ready):
+            if slot.req.return_routed_experts:  # a re-prefill (retract) recomputes them all
+                slot.routing = [self.runner.last_routing[b, t_all - len(seqs[b]):]]
         if any(want_prompt_lp):
             t = logits.shape[1]
             for b, slot in enumerate(ready):
@@ -258,6 +269,9 @@ class Scheduler:
     # ---- decode ------------------------------------------------------------------------
     def _decode_step(self) -> None:
         logits = self.runner.decode(self.batch, self.next_tokens)
+        for b, slot in enumerate(self.running):
+            if slot.routing is not None:
+                slot.routing.append(self.runner.last_routing[b])
         self.steps += 1
         self.next_tokens = self._sample(self.running, logits)
         self._retire()
@@ -312,7 +326,23 @@ class Scheduler:
         for slot, reason in done:
             self._finish(slot, reason)
 
+    def _routing_error(self, req: GenRequest) -> str | None:
+        if not req.return_routed_experts:
+            return None
+        if self.runner.routing is None:
+            return ("return_routed_experts needs the engine started with "
+                    "--enable-return-routed-experts")
+        return start_len_error(req.routed_experts_start_len, len(req.input_ids))
+
     def _finish(self, slot: _Slot, reason: dict) -> None:
+        r = slot.req
+        if r.return_routed_experts and self.runner.routing is not None:
+            # SGLang's rows: positions [start_len, seqlen - 1); the last sampled token was
+            # never fed, so the pieces end exactly there.
+            layers, k = self.runner.routing.num_layers, self.runner.routing.top_k
+            rows = torch.cat(slot.routing) if slot.routing else torch.zeros(0, layers, k, dtype=torch.int16)
+            end = max(len(r.input_ids) + len(r.output_ids) - 1, 0)
+            r.routed_experts = rows[r.routed_experts_start_len:end]
         slot.req.finish_reason = reason
         try:
             slot.on_done(slot.req)

@@ -48,9 +48,11 @@ class EngineServer(WeightEndpoints):
         weight_version: str = "default",
         attn_implementation: str | None = None,
         sglang_version: str = "0.5.23",
+        enable_return_routed_experts: bool = False,
     ):
         self.model_path = model_path
-        self.runner = ModelRunner(model_path, attn_implementation=attn_implementation)
+        self.runner = ModelRunner(model_path, attn_implementation=attn_implementation,
+                                  capture_routing=enable_return_routed_experts)
         self.loader = W.WeightLoader(self.runner.model)
         self.tokenizer = _load_tokenizer(model_path)
         cfg = self.runner.config
