@@ -12,7 +12,7 @@ import json
 import pytest
 
 detector_mod = pytest.importorskip("sglang.srt.function_call.qwen3_coder_detector",
-                                   reason="sglang is installed in the Python 3.12 lane only")
+                                   reason="sglang is installed in the Python 3.12 lane only (scripts/test_py312.sh runs tests/sglang)")
 
 from megatron_tg.chat.framing import assistant_generation_text, parse_assistant  # noqa: E402
 
