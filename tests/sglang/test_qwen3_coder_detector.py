@@ -16,8 +16,8 @@ detector_mod = pytest.importorskip("sglang.srt.function_call.qwen3_coder_detecto
 
 from megatron_tg.chat.framing import assistant_generation_text, parse_assistant  # noqa: E402
 
-from .convos import call  # noqa: E402
-from .qwen3_coder import build_qwen3_coder_tokenizer  # noqa: E402
+from tests.chat.convos import call  # noqa: E402
+from tests.chat.qwen3_coder import build_qwen3_coder_tokenizer  # noqa: E402
 
 EDIT = {"type": "function", "function": {"name": "edit", "description": "Edit a file.", "parameters": {
     "type": "object", "properties": {
