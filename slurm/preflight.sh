@@ -19,7 +19,7 @@
 #                           report the new weight version
 #   checkpoint save/load    the distributed checkpoint is written, and a second trainer
 #                           run resumes from it and trains step 2
-#   routing replay          on, when this version's config has the switch
+#   routing replay          on for an MoE model (rollout.routing_replay), engines started for it
 # Model: the recipe's (model.hf_checkpoint); for a fast check pass a truncated checkpoint
 # with model.hf_checkpoint=DIR model.hf_config=DIR. A recipe whose TP x PP or engine TP
 # needs more than half a node (235B, 480B) fails the plan line naming the sizes; give it a

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import math
 import sys
@@ -189,13 +188,22 @@ def check_resume(run_dir: Path, log: Path, steps: int) -> tuple[str, str, str]:
 
 
 def check_routing(recipe: str, overrides: Sequence[str]) -> tuple[str, str, str]:
+    """Routing replay as the trainer will run it: on for an MoE model (``rollout.routing_replay``
+    and routed experts in the model), which also makes the plan start every engine with
+    ``--enable-return-routed-experts``. A config-level check: the train step above ran with it."""
     cfg = load_config(recipe, list(overrides))
-    names = [f"{section}.{f.name}" for section in ("model", "rollout", "parallel", "objective")
-             for f in dataclasses.fields(getattr(cfg, section)) if "routing_replay" in f.name or "replay" in f.name]
-    if not names:
-        return ("routing replay", "SKIP", "this version's config has no routing replay field")
-    on = {n: getattr(getattr(cfg, n.split(".")[0]), n.split(".")[1]) for n in names}
-    return ("routing replay", "PASS" if all(bool(v) for v in on.values()) else "FAIL", f"{on}")
+    experts = cfg.model.num_experts()
+    if experts == 0:
+        return ("routing replay", "SKIP", "dense model: no routers to replay")
+    if experts is None and not cfg.is_moe():
+        return ("routing replay", "SKIP", f"cannot tell: {cfg.model.hf_config} is not on this "
+                "machine and parallel.ep=1")
+    if not cfg.rollout.routing_replay:
+        return ("routing replay", "FAIL", "rollout.routing_replay=false on an MoE model (the "
+                "trainer's routing would differ from the engines')")
+    where = f"{experts} experts" if experts else "experts per parallel.ep"
+    return ("routing replay", "PASS", f"rollout.routing_replay=true ({where}); engines get "
+            "--enable-return-routed-experts")
 
 
 # ---------------------------------------------------------------------- table

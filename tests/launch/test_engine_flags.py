@@ -22,7 +22,7 @@ def test_sampling_seed_turns_on_deterministic_inference(tmp_path):
     plain = make_plan(R30, [], JUDGE)
     assert seeded.engine_args == ["--enable-return-routed-experts", "--enable-deterministic-inference"]
     assert plain.engine_args == ["--enable-return-routed-experts"]  # routing replay is on by default
-    assert "flags --enable-deterministic-inference" in R.render_text(seeded)
+    assert "flags --enable-return-routed-experts --enable-deterministic-inference" in R.render_text(seeded)
     argv = task_argv(seeded, tmp_path, step=0, local_id=3)
     assert argv[:4] == ["--model-path", seeded.engine_model, "--tp-size", "2"]
     assert "--enable-deterministic-inference" in argv

@@ -38,7 +38,9 @@ def test_layouts_that_cannot_fit_are_named():
 
 
 def test_routing_replay_row_and_table(tmp_path):
-    assert PF.check_routing(R30, [])[1] == "SKIP"
+    assert PF.check_routing(R30, [])[1] == "PASS"  # MoE, replay on by default
+    off = PF.check_routing(R30, ["rollout.routing_replay=false"])
+    assert off[1] == "FAIL" and "rollout.routing_replay=false" in off[2]
     results = tmp_path / "r.tsv"
     PF.record(results, "plan", "PASS", "ok")
     PF.record(results, "engines started", "FAIL", "exit 1\nsee log")

@@ -46,9 +46,8 @@ def test_preflight_passes_on_the_cpu_cluster(slurm_cluster, tiny_job, tmp_path, 
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-4000:]
     rows = table(tmp_path)
     assert list(rows) == CHECKS, rows
-    assert all(rows[c][0] == "PASS" for c in CHECKS[:-1]), rows
-    # this version's config has no routing replay switch: said so, not passed
-    assert rows["routing replay"] == ("SKIP", "this version's config has no routing replay field")
+    assert all(rows[c][0] == "PASS" for c in CHECKS), rows
+    assert rows["routing replay"][1].startswith("rollout.routing_replay=true")
     assert "weight version {'http://127.0.0.1" in rows["weight sync to engines"][1]
     assert "step_00000001" in rows["checkpoint save"][1]
     assert "-m megatron_tg.rollout.engine --model" in rows["engines started"][1]

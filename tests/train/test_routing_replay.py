@@ -261,7 +261,7 @@ def _recompute_fn(rank, world, d, ro):
                            row_tokens=1024, routing_replay=True)
     b, width = mb.student.tokens.shape
     grads = {}
-    for recompute in (False, True):
+    for recompute in ("none", "full"):
         model = build_model(arch, routing_replay=True, recompute=recompute)
         reader = LazyReader(str(d), HFCheckpoint(str(d)).reader_entries())
         load_hf_weights(model, reader.get, arch, current_layout(model=model))
@@ -287,6 +287,6 @@ def test_recomputed_forward_replays_the_same_experts(served):
     equals the one without recompute, even with the trainer's routers flipped."""
     d, _, ro = served
     grads = run_distributed(_recompute_fn, 1, d, ro, timeout=300)[0]
-    (plain, left_plain), (recomputed, left_recomputed) = grads[False], grads[True]
+    (plain, left_plain), (recomputed, left_recomputed) = grads["none"], grads["full"]
     assert left_plain == [1, 1] and left_recomputed == [0, 0]  # recompute consumed them
     torch.testing.assert_close(recomputed, plain, rtol=1e-5, atol=1e-7)
