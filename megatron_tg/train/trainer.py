@@ -24,7 +24,7 @@ from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
 from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
 from megatron_tg.objectives import TGObjective
 from megatron_tg.parallel.dims import Axis
-from megatron_tg.parallel.state import init_parallel
+from megatron_tg.parallel.state import LaunchEnv, init_parallel
 from megatron_tg.train.batching import TrainSample, build_micro_batch
 from megatron_tg.train.checkpoint import Checkpointer
 from megatron_tg.train.ema import ShardedEMA
@@ -65,14 +65,15 @@ class Trainer:
 
         self.cfg = cfg
         p = cfg.parallel
-        self.ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, seed=cfg.seed,
+        # One layout object from the config (checked against the model's shape), passed on.
+        self.ctx = init_parallel(cfg.layout(LaunchEnv.from_env().world_size), seed=cfg.seed,
                                  backend=p.backend)
         self.arch = Qwen3Arch.from_hf(cfg.model.hf_config)
         dtype = _DTYPES[cfg.model.params_dtype]
         # Routing replay: the policy's routers get megatron's RouterReplay; the expert copy
         # below is built without it (megatron's global instance list must hold only these).
         self.routing_replay = bool(cfg.rollout.routing_replay and self.arch.is_moe)
-        model = build_model(self.arch, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
+        model = build_model(self.arch, dims=self.ctx.dims,
                             params_dtype=dtype, seq_length=cfg.model.seq_length,
                             recompute=cfg.model.recompute, routing_replay=self.routing_replay)
         self._load_initial_weights(model)
@@ -137,8 +138,7 @@ class Trainer:
         kind = self.cfg.objective.expert
         if kind == "shared":
             return None
-        p = self.cfg.parallel
-        expert = build_model(self.arch, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
+        expert = build_model(self.arch, dims=self.ctx.dims,
                              params_dtype=dtype, seq_length=self.cfg.model.seq_length,
                              recompute=self.cfg.model.recompute)
         expert.load_state_dict(policy.state_dict())

@@ -24,6 +24,7 @@ from megatron_tg.models.qwen3_moe.config import (
     padded_vocab_size,
     transformer_config,
 )
+from megatron_tg.parallel.dims import ParallelDims
 
 
 class RMSNorm(torch.nn.Module):
@@ -99,10 +100,15 @@ def build_model(hf_config: Any, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: in
                 etp: int | None = None, params_dtype: torch.dtype = torch.float32,
                 vocab_pad_multiple: int = 128, pre_process: bool | None = None,
                 post_process: bool | None = None, use_te: bool | None = None,
-                seq_length: int | None = None, **config_overrides: Any):
-    """Build this rank's shard of the policy. Parallel state must already be initialised."""
+                seq_length: int | None = None, dims: ParallelDims | None = None,
+                **config_overrides: Any):
+    """Build this rank's shard of the policy. Parallel state must already be initialised.
+    ``dims`` (the layout the parallel state was built from) wins over the loose sizes."""
     from megatron.core import parallel_state as mps
     from megatron.core.models.gpt import GPTModel
+
+    if dims is not None:
+        tp, pp, cp, ep, etp = dims.tp, dims.pp, dims.cp, dims.ep, dims.etp
 
     arch = hf_config if isinstance(hf_config, Qwen3Arch) else Qwen3Arch.from_hf(hf_config)
     config = transformer_config(arch, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
