@@ -581,8 +581,18 @@ class SGLangClient(WeightUpdateCalls):
 
         return await self._each("GET /model_info", one, servers, strict)
 
-    async def get_server_info(self, **kw) -> dict[str, Any]:
-        return await self.broadcast("GET", "/get_server_info", **kw)
+    async def _server_info(self, url: str) -> Any:
+        try:
+            return await self._call(url, "GET", "/server_info")
+        except SGLangClientError as exc:
+            if "HTTP 404" not in str(exc):
+                raise
+            return await self._call(url, "GET", "/get_server_info")  # before /server_info existed
+
+    async def get_server_info(self, servers: Iterable[str] | None = None, strict: bool = False) -> dict[str, Any]:
+        """``/server_info`` of every server; ``/get_server_info`` where a server answers 404
+        to the new name (releases before it existed)."""
+        return await self._each("GET /server_info", self._server_info, servers, strict)
 
     async def get_weight_version(self) -> dict[str, str]:
         return {u: r.get("weight_version") for u, r in (await self.get_model_info()).items()}

@@ -107,6 +107,8 @@ class _AdminCalls(Protocol):
     async def _call(self, url: str, method: str, path: str, body: Any = None,
                     timeout_s: float | None = None) -> Any: ...
 
+    async def _server_info(self, url: str) -> Any: ...
+
     async def broadcast(self, method: str, path: str, body: Any = None, servers=None,
                         strict: bool = False) -> dict[str, Any]: ...
 
@@ -126,12 +128,7 @@ class WeightUpdateCalls:
 
         cache = self._engine_infos
         if url not in cache:
-            try:
-                body = await self._call(url, "GET", "/server_info")
-            except SGLangClientError as exc:
-                if "HTTP 404" not in str(exc):
-                    raise
-                body = await self._call(url, "GET", "/get_server_info")  # before /server_info existed
+            body = await self._server_info(url)
             if not isinstance(body, dict) or "version" not in body:
                 raise SGLangClientError(f"{url}/server_info: expected a JSON object with 'version', got {body!r:.200}")
             cache[url] = EngineInfo(url, str(body["version"]), int(body.get("tp_size") or 1),
