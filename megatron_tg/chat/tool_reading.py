@@ -36,6 +36,11 @@ READINGS = ("strict", "sglang")
 AMBIGUOUS_IN_VALUE = ("<parameter=", "</function>")
 
 
+def require_sglang() -> None:
+    """Raise the ImportError below now (at start-up) if SGLang's detector is not installed."""
+    _detector()
+
+
 def _detector():
     try:
         from sglang.srt.function_call.qwen3_coder_detector import Qwen3CoderDetector

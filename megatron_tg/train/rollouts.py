@@ -161,6 +161,10 @@ class RolloutSide:
                  ) -> None:
         self.cfg, self.rubric = cfg, rubric
         primary_criteria(cfg.objective, rubric)  # a bad name fails here, not at the first batch
+        if cfg.rollout.tool_call_reading == "sglang":  # no sglang: fail now, not per rollout
+            from megatron_tg.chat.tool_reading import require_sglang
+
+            require_sglang()
         # Task-specific per-step metrics over every rollout of the batch (e.g. the demo's
         # episode verdicts), logged beside the judge's criteria.
         self.rollout_metrics = rollout_metrics

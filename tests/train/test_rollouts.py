@@ -173,3 +173,17 @@ def test_rollout_side_implements_the_loops_interface():
         impl = getattr(RolloutSide, name)
         assert list(inspect.signature(impl).parameters) == list(inspect.signature(proto).parameters), name
     assert "last_judged" in RolloutSource.__annotations__
+
+
+def test_sglang_tool_call_reading_without_sglang_fails_at_start():
+    """The rollout side refuses the setting before any engine starts, not once per rollout."""
+    import importlib.util
+
+    from megatron_tg.train.rollouts import RolloutSide
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here: the setting is usable")
+    cfg = load_config("recipes/tiny_cpu.yaml", ["rollout.tool_call_reading=sglang"])
+    with pytest.raises(ImportError, match="needs the sglang package"):
+        RolloutSide(cfg, get_tiny_tokenizer(), None, [], load_rubric("recipes/rubrics/tool_format.yaml"),
+                    engine_model_dir=None, log_dir="unused")
