@@ -46,6 +46,21 @@ def test_dry_run_prints_config_and_layout_with_rank_groups():
     assert "parallel layout for 4 ranks (--world-size)" in out.stdout
 
 
+def test_dry_run_prints_every_timeout_resolved():
+    out = cli("config", "--recipe", TINY, "--dry-run", "timeouts.collective_s=600",
+              "rollout.max_turns=3", "rollout.request_timeout_s=100", "judge.timeout_s=10",
+              "judge.max_retries=1")
+    assert out.returncode == 0, out.stderr
+    t = list(yaml.safe_load_all(out.stdout))[1]["timeouts"]
+    assert t["timeouts.collective_s"] == 600.0
+    assert t["timeouts.rollout_wait_s"] == 3 * 100 + 2 * 10  # derived: None in the config
+    assert t["rollout.request_timeout_s"] == 100.0 and t["judge.timeout_s"] == 10.0
+    out = cli("config", "--recipe", TINY, "--dry-run", "timeouts.rollout_wait_s=7")
+    assert list(yaml.safe_load_all(out.stdout))[1]["timeouts"]["timeouts.rollout_wait_s"] == 7.0
+    out = cli("config", "--recipe", TINY, "timeouts.health_s=0")
+    assert out.returncode != 0 and "timeouts.health_s: must be > 0" in out.stderr
+
+
 def test_overrides_may_come_before_and_after_options():
     out = cli("config", "--recipe", TINY, "objective.kl_coef=0.2", "--dry-run", "parallel.ep=2",
               "--world-size", "2", "seed=3")

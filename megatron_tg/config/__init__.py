@@ -16,10 +16,11 @@ from megatron_tg.config.parallel import ParallelConfig
 from megatron_tg.config.rollout import JudgeConfig, RolloutConfig
 from megatron_tg.config.schema import TGConfig
 from megatron_tg.config.sft import SFTConfig
+from megatron_tg.config.timeouts import TimeoutsConfig
 from megatron_tg.config.train import CheckpointConfig, LoggingConfig, OptimizerConfig
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "EvaluationConfig", "JudgeConfig", "LoggingConfig", "ModelConfig",
-    "ObjectiveConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig", "SFTConfig", "TGConfig",
+    "ObjectiveConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig", "SFTConfig", "TGConfig", "TimeoutsConfig",
     "load_config", "save_resolved", "to_yaml",
 ]

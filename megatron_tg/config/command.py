@@ -3,7 +3,8 @@
     megatron-tg config --recipe recipes/tg_30b.yaml objective.kl_coef=0.3 --dry-run
 
 Output is YAML: the config, and with ``--dry-run`` a second document (after ``---``) with
-the layout, so both can be read back with ``yaml.safe_load_all``.
+the layout and every timeout of the run resolved (``timeouts``: the derived
+``rollout_wait_s`` included), so both can be read back with ``yaml.safe_load_all``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
         text += (f"---\n# parallel layout for {world} rank{'s' * (world != 1)} ({origin}); "
                  f"megatron-core rank order tp-cp-ep-dp-pp, experts etp-ep-edp-pp\n")
         text += yaml.dump({"layout": layout}, Dumper=_LayoutDumper, sort_keys=False, width=120)
+        # every limit of the run, resolved (config/timeouts.py), under the layout
+        text += yaml.dump({"timeouts": cfg.timeouts.table(cfg)}, Dumper=_LayoutDumper,
+                          sort_keys=False, width=120)
     # Printed only once everything resolved: a layout error leaves no half output behind.
     print(text, end="")
     return 0

@@ -12,8 +12,8 @@ class EvaluationConfig:
     """At step 0, every ``every`` steps and after the last step, ``samples`` rollouts of each
     held-out task on the engines' current weights, judged by the run's rubric; never trained
     on. Logged as ``eval/*``: pass@1 and every criterion's rate with confidence intervals.
-    Rank 0 evaluates while the other trainer ranks wait in the next step's broadcast, so one
-    evaluation must finish within the process group's timeout (30 min, parallel/state.py)."""
+    Rank 0 evaluates while the other trainer ranks wait for the next step's batch on the
+    store, so one evaluation plus that batch must finish within ``timeouts.rollout_wait_s``."""
 
     tasks: str = ""
     """JSONL of held-out tasks, in the format of ``rollout.tasks`` (the coding harness). Empty:

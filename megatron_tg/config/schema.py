@@ -12,6 +12,7 @@ from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.config.parallel import ParallelConfig
 from megatron_tg.config.rollout import JudgeConfig, RolloutConfig
 from megatron_tg.config.sft import SFTConfig
+from megatron_tg.config.timeouts import TimeoutsConfig
 from megatron_tg.config.train import CheckpointConfig, LoggingConfig, OptimizerConfig
 from megatron_tg.parallel.dims import ParallelDims
 
@@ -62,6 +63,10 @@ class TGConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     """The supervised warm start (``megatron-tg sft``); unused by RL runs."""
 
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    """Limits of collectives, the weight-update group, HTTP calls, health probes and the
+    wait for rollouts."""
+
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid field and its value."""
         if not _RUN_NAME.match(self.run_name):
@@ -70,7 +75,7 @@ class TGConfig:
         check_range("seed", self.seed, ge=0)
         check_range("steps", self.steps, ge=1)
         for group in (self.model, self.parallel, self.rollout, self.judge, self.optimizer,
-                      self.checkpoint, self.logging, self.evaluation, self.sft):
+                      self.checkpoint, self.logging, self.evaluation, self.sft, self.timeouts):
             group.validate()
         try:
             self.objective.validate()

@@ -106,7 +106,8 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         engine_args=engine_flags(cfg.rollout, engine) if want else [],
         judge_model=judge_model if z.start_judge else "",
         judge_name=judge_name if judge_url else "", judge_url=judge_url, router_url=router_url,
-        servers=servers, steps=steps, train_args=train_args, notes=notes, blockers=blockers)
+        servers=servers, steps=steps, train_args=train_args, notes=notes, blockers=blockers,
+        timeouts=cfg.timeouts.table(cfg))
 
 
 def _size_roles(cfg: TGConfig, knobs: Knobs, notes: list[str]) -> _Sizes:

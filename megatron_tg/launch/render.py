@@ -50,6 +50,8 @@ def render_text(plan: Plan) -> str:
                 f"{st.gpus_per_node} GPUs/node" if st.gpus_per_node else "no GPUs")
         out.append(f"  {st.name:18} {_hostlist(st.hosts):16} {st.ntasks:4d} tasks "
                    f"({st.tasks_per_node}/node), {gpus}{', overlap' if st.overlap else ''}")
+    if plan.timeouts:
+        out.append("timeouts (s): " + ", ".join(f"{k}={v:g}" for k, v in plan.timeouts.items()))
     out.append("trainer: <TRAINER_CMD> " + " ".join(shlex.quote(a) for a in plan.train_args))
     out += [f"note: {n}" for n in plan.notes]
     out += [f"BLOCKER: {b}" for b in plan.blockers]

@@ -134,6 +134,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     blockers: list[str] = field(default_factory=list)
     """Problems that stop a launch but not a dry-run (e.g. no judge model given)."""
+    timeouts: dict[str, float] = field(default_factory=dict)
+    """Every limit of the run, resolved (:meth:`TimeoutsConfig.table`), by config path."""
 
     @property
     def nodes(self) -> int:

@@ -15,6 +15,7 @@ Everything else asks :class:`ParallelContext` for groups by :class:`Axis`.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -108,6 +109,8 @@ def init_parallel(dims: ParallelDims | None = None, *, tp: int = 1, pp: int = 1,
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,
+        # megatron's own groups (and their gloo twins) get the same limit as the default group
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

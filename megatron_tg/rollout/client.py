@@ -142,6 +142,7 @@ class SGLangClient(WeightUpdateCalls):
         hedge_after_s: float | None = None,
         admin_timeout_s: float = 1800.0,
         admin_urls: Sequence[str] | None = None,
+        health_timeout_s: float | None = None,
     ):
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
@@ -159,6 +160,7 @@ class SGLangClient(WeightUpdateCalls):
         self.probe_interval_s = probe_interval_s
         self.hedge_after_s = hedge_after_s
         self.admin_timeout_s = admin_timeout_s
+        self.health_timeout_s = health_timeout_s or max(2.0, connect_timeout_s)  # one probe
         self.stats = ClientStats()
         self.expected_weight_version: str | None = None
         self._engine_infos: dict = {}  # url -> EngineInfo, read once (weight_client)
@@ -228,7 +230,7 @@ class SGLangClient(WeightUpdateCalls):
 
     async def _probe_url(self, url: str) -> bool:
         try:
-            timeout = aiohttp.ClientTimeout(total=max(2.0, self.connect_timeout_s))
+            timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
             if self.paused:
                 # /health would generate and answer 503 after its own 20 s budget; a paused
                 # server that answers /model_info is alive (and gets traffic once continued).

@@ -12,6 +12,7 @@ whatever it returns must be picklable (tensors are moved to CPU and detached).
 
 from __future__ import annotations
 
+import datetime
 import io
 import os
 import queue as queue_mod
@@ -36,14 +37,15 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
-            queue: "mp.Queue", threads: int) -> None:
+            queue: "mp.Queue", threads: int, pg_timeout_s: float | None = None) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        extra = {} if pg_timeout_s is None else {"timeout": datetime.timedelta(seconds=pg_timeout_s)}
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **extra)
         result = fn(rank, world_size, *args)
         # Plain bytes, not tensors: torch's queue pickling shares tensor storage through file
         # descriptors that die with this process, which may exit before the parent reads.
@@ -58,7 +60,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
-                    timeout: float = 600.0, threads_per_rank: int = 1) -> list[Any]:
+                    timeout: float = 600.0, threads_per_rank: int = 1,
+                    pg_timeout_s: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     Raises ``RuntimeError`` carrying the first failing rank's traceback, or on timeout.
@@ -68,7 +71,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue,
-                                          threads_per_rank), daemon=False)
+                                          threads_per_rank, pg_timeout_s), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

@@ -22,7 +22,7 @@ from megatron_tg.train.manifest import write_manifest
 from megatron_tg.train.metrics import MetricsLogger
 from megatron_tg.train.protocols import MakeRolloutSource
 from megatron_tg.train.samples import SampleRecorder
-from megatron_tg.train.scatter import scatter_by_tokens
+from megatron_tg.train.scatter import scatter_by_tokens, wait_for_batch
 from megatron_tg.train.trainer import Trainer
 from megatron_tg.train.weight_sync import SyncChecks, sync_to_engines
 
@@ -70,14 +70,19 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
     records = SampleRecorder(cfg.logging, cfg.logging.run_dir, enabled=rank0,
                              start_step=trainer.step, tokenizer=trainer.tokenizer)
     code = EXIT_DONE
+    wait_limit = cfg.timeouts.rollout_wait(cfg)
     try:
         if rank0 and trainer.step == 0 and (baseline := side.probe_metrics(0)):
             log.log(0, baseline)  # step-0 baselines: the held-out evaluation, probes
         while trainer.step < cfg.steps:
             t0 = time.perf_counter()
             batch = side.next_batch(trainer.step) if rank0 else (None, None)      # generate + judge
+            # the others wait on the store, not in the scatter (no collective timeout applies)
+            waited = wait_for_batch(trainer.step, rank=trainer.ctx.rank, timeout_s=wait_limit)
             samples, metrics = scatter_by_tokens(*batch, rank=trainer.ctx.rank, dims=trainer.ctx.dims)
             t1 = time.perf_counter()
+            waited = torch.tensor([waited], device=trainer.ctx.device)
+            dist.all_reduce(waited, op=dist.ReduceOp.MAX)  # the longest store wait of any rank
             metrics.update(trainer.train_step(samples))                          # GRPO + gated KL
             t2 = time.perf_counter()
             metrics.update(sync_to_engines(trainer, side, checks))                # -> engines
@@ -85,6 +90,9 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
                 metrics.update(side.probe_metrics(trainer.step))
             tokens = sum(len(s.rollout.token_ids) for s in samples) * trainer.ctx.dims.dp
             metrics.update({"time/rollout_wait": t1 - t0, "time/train": t2 - t1,
+                            # how close rank 0's batch came to the other ranks' wait limit
+                            "time/rollout_wait_limit_frac": (t1 - t0) / wait_limit,
+                            "time/rollout_store_wait": float(waited),
                             "time/step": time.perf_counter() - t0,
                             "throughput/train_tokens_per_s": tokens / max(t2 - t1, 1e-9)})
             log.log(trainer.step, metrics)

@@ -189,13 +189,13 @@ class RolloutSide:
             urls = list(cfg.rollout.server_urls)
             if not urls:
                 raise ValueError("rollout.server_urls is empty (needed when rollout.engine=sglang)")
-        r = cfg.rollout
-        if r.router_url:  # generation via the router; admin calls to every engine directly
-            self.client = SGLangClient([r.router_url], timeout_s=r.request_timeout_s,
-                                       max_retries=r.max_retries, admin_urls=urls)
-        else:
-            self.client = SGLangClient(urls, timeout_s=r.request_timeout_s,
-                                       max_retries=r.max_retries)
+        r, t = cfg.rollout, cfg.timeouts
+        limits = dict(timeout_s=r.request_timeout_s, max_retries=r.max_retries,
+                      admin_timeout_s=t.http_admin_s, connect_timeout_s=t.http_connect_s,
+                      probe_interval_s=t.health_interval_s, health_timeout_s=t.health_s)
+        # Generation via the router (when there is one); admin calls to every engine directly.
+        self.client = (SGLangClient([r.router_url], admin_urls=urls, **limits) if r.router_url
+                       else SGLangClient(urls, **limits))
         self.manager = RolloutManager(self.client, rollout_fn, tasks, r, epochs=None,
                                       vocab_size=len(tokenizer), initial_version=version,
                                       routing=routing_spec(cfg))
@@ -216,7 +216,8 @@ class RolloutSide:
             backend = r.sync_backend if r.sync_backend != "auto" else (
                 "nccl" if r.engine == "sglang" and torch.cuda.is_available() else "gloo")
             self.weight_group = self.call(self.client.init_weights_update_group(
-                host, free_port(), group_name="tg-weights", backend=backend))
+                host, free_port(), group_name="tg-weights", backend=backend,
+                timeout_s=self.cfg.timeouts.weight_sync_s))
         return WeightTarget(self.client, self.weight_group)
 
     def run_sync(self, push: Callable[[], Awaitable[SyncStats]], version: int, *,

@@ -17,12 +17,20 @@ micro-batch ``i`` of every rank holds comparable tokens (the EP lock-step then w
 Transport: global rank 0 holds the judged batch; ``scatter_object_list`` sends every rank
 only its DP share (all TP/CP/PP ranks of one DP index get the same share), not the whole
 batch to everyone.
+
+Waiting: rank 0's batch can take longer than any collective timeout (the first batch of
+50-turn rollouts, a held-out evaluation at step 0), so the other ranks never wait inside
+the scatter. They wait on the default process group's store for rank 0's "batch ready" key
+(:func:`wait_for_batch`, limit ``timeouts.rollout_wait_s``) and enter the scatter only once
+rank 0 has the batch, so the collective itself takes only the transfer.
 """
 
 from __future__ import annotations
 
+import datetime
 import heapq
 import math
+import time
 from typing import Sequence
 
 import torch.distributed as dist
@@ -76,3 +84,35 @@ def scatter_by_tokens(samples, metrics, *, rank: int, dims: ParallelDims):
     box = [None]
     dist.scatter_object_list(box, payload, src=0)
     return box[0]
+
+
+_READY = "tg/batch_ready/{}"
+
+
+class RolloutWaitTimeout(RuntimeError):
+    """Rank 0 did not produce a step's batch within ``timeouts.rollout_wait_s``."""
+
+
+def wait_for_batch(step: int, *, rank: int, timeout_s: float, store=None) -> float:
+    """Rank 0 (after it has the batch of ``step``): mark it ready. Other ranks: wait for the
+    mark on the default store, at most ``timeout_s``. Returns the seconds waited here.
+
+    A store wait is a blocking get on rank 0's TCPStore, not a collective, so it is bounded
+    only by ``timeout_s``; the key of the previous step is removed by rank 0 (every rank has
+    passed that step's scatter by then)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0.0
+    store = store or dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set(_READY.format(step), b"1")
+        store.delete_key(_READY.format(step - 1))
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        store.wait([_READY.format(step)], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
+        raise RolloutWaitTimeout(
+            f"rank {rank}: no batch from rank 0 for step {step} within timeouts.rollout_wait_s="
+            f"{timeout_s:g} s (rank 0 is generating or judging, or died; raise the limit if its "
+            f"rollouts are legitimately this slow): {exc}") from exc
+    return time.perf_counter() - t0

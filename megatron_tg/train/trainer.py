@@ -67,7 +67,7 @@ class Trainer:
         p = cfg.parallel
         # One layout object from the config (checked against the model's shape), passed on.
         self.ctx = init_parallel(cfg.layout(LaunchEnv.from_env().world_size), seed=cfg.seed,
-                                 backend=p.backend)
+                                 backend=p.backend, timeout_s=cfg.timeouts.collective_s)
         self.arch = Qwen3Arch.from_hf(cfg.model.hf_config)
         dtype = _DTYPES[cfg.model.params_dtype]
         # Routing replay: the policy's routers get megatron's RouterReplay; the expert copy

@@ -66,3 +66,63 @@ def test_each_rank_receives_its_share_over_gloo():
     assert sorted(a + b) == sorted(lengths)
     assert abs(sum(a) - sum(b)) <= max(lengths)
     assert all(m["reward/mean"] == 0.5 and m["scatter/tokens_max_over_mean"] >= 1 for _, m in out)
+
+
+# ---- waiting for rank 0's batch: on the store, not inside the scatter's collective ----------
+COLLECTIVE_S = 2.0  # the process group's timeout in these tests
+LATE_S = 3 * COLLECTIVE_S  # rank 0's first batch comes later than any collective may wait
+
+
+def _late_first_batch(rank, world, on_store: bool, wait_limit: float):
+    import time
+
+    from megatron_tg.train.scatter import wait_for_batch
+
+    dims = ParallelDims(world)  # dp = world
+    got, waited = [], []
+    for step, late in ((0, LATE_S), (1, 0.0)):  # a late first batch, then a prompt one
+        if rank == 0:
+            time.sleep(late)  # generating and judging
+        samples = [_fake(n) for n in (500, 400, 300, 200)] if rank == 0 else None
+        metrics = {"step": step} if rank == 0 else None
+        if on_store:
+            waited.append(wait_for_batch(step, rank=rank, timeout_s=wait_limit))
+        mine, m = scatter_by_tokens(samples, metrics, rank=rank, dims=dims)
+        got.append((sorted(len(s.rollout.token_ids) for s in mine), m["step"]))
+    return got, waited
+
+
+def test_a_first_batch_later_than_the_collective_timeout_still_arrives():
+    out = run_distributed(_late_first_batch, 2, True, 60.0, pg_timeout_s=COLLECTIVE_S)
+    (got0, _), (got1, waited1) = out
+    assert [s for _, s in got0] == [s for _, s in got1] == [0, 1]
+    assert sorted(got0[0][0] + got1[0][0]) == [200, 300, 400, 500]  # nothing lost or doubled
+    assert waited1[0] > COLLECTIVE_S  # rank 1 really waited longer than a collective may
+    assert waited1[1] < COLLECTIVE_S
+
+
+def test_the_same_wait_inside_the_collective_dies_at_its_timeout():
+    # The control: without the store wait the scatter's collective times out, so the test
+    # above proves the store wait, not a lenient process group.
+    with pytest.raises(RuntimeError, match="(?i)timed? ?out"):
+        run_distributed(_late_first_batch, 2, False, 60.0, pg_timeout_s=COLLECTIVE_S)
+
+
+def _rank0_never_ready(rank, world):
+    import time
+
+    from megatron_tg.train.scatter import RolloutWaitTimeout, wait_for_batch
+
+    if rank == 0:
+        time.sleep(3.0)  # never marks the batch ready; outlives rank 1's wait
+        return None
+    try:
+        wait_for_batch(0, rank=rank, timeout_s=1.0)
+    except RolloutWaitTimeout as exc:
+        return str(exc)
+    return "no timeout"
+
+
+def test_the_wait_for_rollouts_has_its_own_limit_and_names_it():
+    msg = run_distributed(_rank0_never_ready, 2)[1]
+    assert "timeouts.rollout_wait_s=1 s" in msg and "step 0" in msg, msg
