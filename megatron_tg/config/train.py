@@ -67,9 +67,20 @@ class CheckpointConfig:
     save_on_signal: bool = True
     """Save before exiting on SIGUSR1/SIGTERM (Slurm's pre-emption warning), then requeue."""
 
+    async_save: bool = True
+    """Write the distributed checkpoint in the background (megatron's async save path) while
+    training goes on; it becomes ``latest`` only once every rank's write has finished. The
+    save on a stop signal and the last step's save are waited for before the process exits."""
+
+    write_gbps_per_node: float = 2.0
+    """Planning only: checkpoint write bandwidth of one trainer node to ``dir``, in GB/s (an
+    assumption: measure your filesystem; the planner's expected save time and the USR1 lead
+    time follow from it)."""
+
     def validate(self) -> None:
         check_range("checkpoint.interval", self.interval, ge=0)
         check_range("checkpoint.keep_last", self.keep_last, ge=0)
+        check_range("checkpoint.write_gbps_per_node", self.write_gbps_per_node, gt=0)
 
 
 @dataclass

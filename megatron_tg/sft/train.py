@@ -155,6 +155,8 @@ def run_sft(cfg, *, log_every: int = 1) -> dict[str, float]:
                 log.log(trainer.step, metrics)
             if trainer.step % cfg.checkpoint.interval == 0 or trainer.step == len(steps):
                 trainer.save({"sft": {"data": s.data, "steps": len(steps)}})
+            trainer.checkpointer.finalize()  # completes the async saves every rank has written
+        trainer.checkpointer.finalize(blocking=True)  # the last save completes before the exit
         export_model(trainer, Path(cfg.logging.run_dir) / "model")
     finally:
         log.close()

@@ -12,6 +12,17 @@ Layout of ``ROOT``::
 A save goes to ``ROOT/.tmp-step_…`` and is renamed only when every rank has finished, so a
 kill mid-save leaves the previous checkpoint intact and ``latest`` pointing at it; stale
 temporary directories are removed on the next save. The newest ``keep_last`` are kept.
+
+**Asynchronous saves** (``checkpoint.async_save``): the distributed checkpoint's tensors are
+written by megatron's async save path (``dist_checkpointing.save(..., async_sharded_save=
+True)`` scheduled on an ``AsyncCallsQueue``: a forked writer per rank, so training goes on
+while the previous checkpoint is written). The small files (RNG, trainer state) are written
+at once. The checkpoint is *completed* (``COMPLETE``, the rename, ``latest``) by a finalize
+function that megatron runs only after every rank's writer has finished and its results were
+gathered (an all-reduce over the ranks' "still writing" flags, then the metadata); a rank or
+writer killed before that leaves only a ``.tmp-`` directory, never a ``latest``.
+:meth:`Checkpointer.finalize` is called by every rank once per step (non-blocking: one
+all-reduce) and blocking before the next save and before the process exits.
 """
 
 from __future__ import annotations
@@ -105,11 +116,14 @@ def _with_data(sharded: dict[str, Any], tensors: dict[str, torch.Tensor],
 
 
 class Checkpointer:
-    def __init__(self, root: str | os.PathLike, keep_last: int = 3) -> None:
+    def __init__(self, root: str | os.PathLike, keep_last: int = 3, async_save: bool = False) -> None:
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
+        self.async_save = async_save
+        self._queue = None  # megatron's AsyncCallsQueue, made at the first async save
+        self.in_flight: list[int] = []  # steps whose async write has not been completed yet
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
@@ -133,9 +147,12 @@ class Checkpointer:
 
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any],
              expert=None, ema: ShardedEMA | None = None) -> Path:
-        """Collective: every rank calls it. Returns the final directory."""
+        """Collective: every rank calls it. Returns the final directory, which exists once
+        the save is complete: at return for a synchronous save, at a later :meth:`finalize`
+        for an asynchronous one."""
         from megatron.core import dist_checkpointing
 
+        self.finalize(blocking=True)  # the previous write completes first: one in flight at most
         name = f"{_PREFIX}{step:08d}"
         tmp = self.root / f".tmp-{name}"
         if _rank() == 0:
@@ -145,11 +162,37 @@ class Checkpointer:
             (tmp / "rng").mkdir()
         _barrier()
         _signal_proof_writer_queue()
-        dist_checkpointing.save(self._sharded(model, optimizer, expert, ema), str(tmp / "dist"))
+        request = dist_checkpointing.save(self._sharded(model, optimizer, expert, ema), str(tmp / "dist"),
+                                          async_sharded_save=self.async_save)
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
         if _rank() == 0:
             torch.save({"step": step, **trainer_state}, tmp / "trainer_state.pt")
+        if request is None:  # written: complete it now
+            self._complete(step, tmp)
+        else:  # megatron runs this after its own finalization, once every rank's writer is done
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            request.add_finalize_fn(lambda: self._complete(step, tmp))
+            if self._queue is None:
+                self._queue = AsyncCallsQueue()
+            self._queue.schedule_async_request(request)
+            self.in_flight.append(step)
+        return self.root / name
+
+    def finalize(self, blocking: bool = False) -> list[int]:
+        """Collective: complete the asynchronous saves whose writes have finished on every
+        rank (``blocking``: wait for all of them). Returns the steps completed now."""
+        if self._queue is None or not self.in_flight:
+            return []
+        done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        completed, self.in_flight = self.in_flight[:len(done)], self.in_flight[len(done):]
+        return completed
+
+    def _complete(self, step: int, tmp: Path) -> None:
+        """Collective: once every rank's files are written, mark ``tmp`` complete, rename it and
+        point ``latest`` at it."""
         _barrier()
+        name = f"{_PREFIX}{step:08d}"
         final = self.root / name
         if _rank() == 0:
             (tmp / "COMPLETE").write_text(f"{step}\n")
@@ -161,7 +204,6 @@ class Checkpointer:
             os.replace(marker_tmp, self.root / "latest")
             self._prune()
         _barrier()
-        return final
 
     def _prune(self) -> None:
         done = sorted(p for p in self.root.glob(f"{_PREFIX}*") if (p / "COMPLETE").exists())

@@ -99,13 +99,16 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
             if rank0:
                 records.write(trainer.step, side.last_judged, batch[0], trainer.turn_stats)
             stopping = stop.agreed()
+            trainer.checkpointer.finalize()  # completes the async saves every rank has written
             if stopping or trainer.step % cfg.checkpoint.interval == 0 or trainer.step == cfg.steps:
                 trainer.save({"rollouts": side.state_dict() if rank0 else None})  # checkpoint
             if stopping and trainer.step < cfg.steps:
+                trainer.checkpointer.finalize(blocking=True)  # complete before saying so
                 _say(rank0, f"stop requested: checkpointed step {trainer.step}, exiting {EXIT_REQUEUE}"
                             " (requeue)")
                 code = EXIT_REQUEUE
                 break
+        trainer.checkpointer.finalize(blocking=True)  # the last save completes before the exit
     finally:
         if log is not None:
             log.close()

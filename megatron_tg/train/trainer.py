@@ -96,7 +96,8 @@ class Trainer:
         tok_dir = cfg.model.tokenizer or cfg.model.hf_checkpoint or cfg.model.hf_config
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(
             tok_dir if os.path.isdir(tok_dir) else os.path.dirname(tok_dir))
-        self.checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
+        self.checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last,
+                                         async_save=cfg.checkpoint.async_save)
         self.step = 0
         self.turn_stats: TurnStats = {}
         """Per (rollout, turn): loss/gated tokens, mean KL, mean IS weight of the last step."""

@@ -23,8 +23,9 @@ from tests.train.common import make_samples, tiny_policy
 
 
 def _train_fn(rank, world, tp, state, hf_cfg, samples, tok_dir, ckpt_root, mode, seed):
-    """mode 'fresh': 3 steps, save after step 2. mode 'resume': load, 1 step.
-    Returns the losses of the steps run and the grad norms."""
+    """mode 'fresh': 3 steps, save after step 2 ('fresh_async': the save is written in the
+    background while step 3 trains). mode 'resume': load, 1 step.
+    Returns the losses of the steps run (async: and whether ``latest`` existed during step 3)."""
     from transformers import AutoTokenizer
 
     from megatron.core.distributed import (DistributedDataParallel,
@@ -44,7 +45,7 @@ def _train_fn(rank, world, tp, state, hf_cfg, samples, tok_dir, ckpt_root, mode,
     ctx = init_parallel(tp=tp, seed=seed)
     arch = Qwen3Arch.from_hf(hf_cfg)
     model = build_model(arch, tp=tp)
-    if mode == "fresh":
+    if mode.startswith("fresh"):
         load_hf_weights(model, state, arch, current_layout())
     ddp = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True), module=model)
@@ -52,7 +53,7 @@ def _train_fn(rank, world, tp, state, hf_cfg, samples, tok_dir, ckpt_root, mode,
     obj_cfg = ObjectiveConfig(mode="tg", kl_coef=0.5)
     objective = TGObjective(obj_cfg, group=ctx.group(Axis.TP),
                             reduce_hidden_grad=ops_reduce_hidden_grad(ddp))
-    ckpt = Checkpointer(ckpt_root, keep_last=2)
+    ckpt = Checkpointer(ckpt_root, keep_last=2, async_save=mode == "fresh_async")
     first = 0
     if mode == "resume":
         trainer_state = ckpt.load(ckpt.latest(), ddp, opt)
@@ -71,8 +72,12 @@ def _train_fn(rank, world, tp, state, hf_cfg, samples, tok_dir, ckpt_root, mode,
         finalize_model_grads([ddp])
         opt.step()
         losses.append(out.loss.detach())
-        if mode == "fresh" and step + 1 == 2:
+        if mode.startswith("fresh") and step + 1 == 2:
             ckpt.save(2, ddp, opt, {"note": "after step 2"})
+    if mode == "fresh_async":  # step 3 changed the weights while the writer wrote step 2's
+        early = os.path.exists(os.path.join(ckpt_root, "latest"))
+        assert ckpt.finalize(blocking=True) == [2]
+        return losses, early
     return losses
 
 
@@ -96,6 +101,21 @@ def test_resume_reproduces_the_next_step(setup, tmp_path):
     tp1 = run_distributed(_train_fn, 1, 1, state, cfg, samples, tok.name_or_path, str(root),
                           "resume", 99)
     torch.testing.assert_close(tp1[0][0], fresh[0][2], atol=1e-5, rtol=1e-4)
+
+
+def test_async_save_writes_the_saved_step_while_training_goes_on(setup, tmp_path):
+    tok, cfg, state, samples = setup
+    root = tmp_path / "ckpt"
+    fresh = run_distributed(_train_fn, 2, 2, state, cfg, samples, tok.name_or_path, str(root),
+                            "fresh_async", 5)
+    assert [early for _, early in fresh] == [False, False]  # not latest before every rank finished
+    assert (root / "latest").read_text().strip() == "step_00000002"
+    assert not list(root.glob(".tmp-*"))
+    resumed = run_distributed(_train_fn, 2, 2, state, cfg, samples, tok.name_or_path, str(root),
+                              "resume", 99)
+    # step 3 from the checkpoint equals step 3 of the run that kept training during the write:
+    # the writer wrote the weights of step 2, not those step 3 changed under it
+    assert torch.equal(resumed[0][0], fresh[0][0][2]), (resumed[0][0], fresh[0][0][2])
 
 
 def test_partial_save_never_becomes_latest(tmp_path):
