@@ -20,7 +20,9 @@
 #   placement STEP_CPUS_PER_TASK (empty: a step gets its whole nodes; set: --exact with
 #             that many CPUs per task, so steps can share a node)
 #   timing    HEALTH_TIMEOUT (s, default 1800), HEALTH_POLL (s, 5), TEARDOWN_GRACE (s, 30),
-#             TRAIN_EXIT_WAIT (s, 300: how long ranks may outlive the first one to exit)
+#             TRAIN_EXIT_WAIT (s, 300: how long ranks may outlive the first one to exit),
+#             USR1_LEAD (s: the job's --signal=B:USR1@N; the planner refuses one shorter than a
+#             step plus a checkpoint save)
 #
 # Only what this script started is ever stopped: its own steps, by step id
 # ($SLURM_JOB_ID.<step>, looked up by the step's name), never by process name.
@@ -63,7 +65,7 @@ tg_plan_flags() {
       --gpus-per-node=GPUS_PER_NODE --accel=ACCEL \
       --engine=ENGINE --engine-model=ENGINE_MODEL --router=ROUTER \
       --judge-model=JUDGE_MODEL --judge-name=JUDGE_NAME --judge-url=JUDGE_URL --judge-tp=JUDGE_TP \
-      --port-base=PORT_BASE; do
+      --port-base=PORT_BASE --usr1-lead=USR1_LEAD; do
     flag="${pair%%=*}" var="${pair#*=}"
     if [ -n "${!var:-}" ]; then TG_PLAN_FLAGS+=("$flag" "${!var}"); fi
   done

@@ -17,15 +17,18 @@
 #SBATCH --exclusive
 #SBATCH --mem=0
 #SBATCH --time=24:00:00
-# time limit and preemption: USR1 300 s before the end -> the trainer checkpoints and exits
+# time limit and preemption: USR1 34320 s before the end (one step plus one checkpoint save,
+# as `megatron-tg plan --recipe recipes/tg_235b.yaml model.hf_config=tests/fixtures/hf_configs/qwen3-235b-a22b.json`
+# prints it; the planner refuses a shorter USR1_LEAD) -> the trainer checkpoints and exits
 # 75 -> the job requeues itself and resumes (SLURM_RESTART_COUNT counts the restarts)
-#SBATCH --signal=B:USR1@300
+#SBATCH --signal=B:USR1@34320
 #SBATCH --requeue
 # output: appended across requeues; plan and one log per server in runs/slurm/%x-%j/
 #SBATCH --output=runs/slurm/%x-%j.log
 #SBATCH --open-mode=append
 set -euo pipefail
 export RECIPE="${RECIPE:-recipes/tg_235b.yaml}"
+export USR1_LEAD="${USR1_LEAD:-34320}"  # = the --signal above; checked by the planner
 export HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-2700}"
 # sbatch runs a spooled copy of this file, away from lib.sh: then the repo is the submit dir.
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

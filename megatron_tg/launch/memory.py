@@ -348,10 +348,13 @@ class DoesNotFit(ConfigError):
     """A recipe whose memory plan exceeds a GPU; the message names the term and the fix."""
 
 
-def launch_check(cfg: TGConfig, world_size: int, accel: str) -> list[str]:
+def launch_check(cfg: TGConfig, world_size: int, accel: str,
+                 checkpoint: dict[str, Any] | None = None) -> list[str]:
     """The launch planner's hook: raise :class:`DoesNotFit` for a plan that does not fit, else
-    the plan's one-line summary and its time per step, as notes. Nothing for CPU plans, nor
-    when the model's config.json is not on this machine (``megatron-tg memory`` says so)."""
+    the plan's one-line summary and its time per step, as notes; ``checkpoint`` (when given)
+    receives the checkpoint plan (size, save time, USR1 lead: ``timeplan.checkpoint_plan``).
+    Nothing for CPU plans, nor when the model's config.json is not on this machine
+    (``megatron-tg memory`` says so)."""
     if accel != "gpu" or cfg.model.read_hf_config() is None:
         return []
     from megatron_tg.launch import timeplan
@@ -369,7 +372,11 @@ def launch_check(cfg: TGConfig, world_size: int, accel: str) -> list[str]:
                     f"{kv['kv_tokens']:,} tokens ({kv['rollouts_at_full_context']} rollouts at full "
                     f"context; in-flight rollouts {kv['in_flight']})")
     notes = [f"memory per GPU: {summary} (megatron-tg memory for the terms)"]
-    return notes + [line.strip() for line in timeplan.render(timeplan.time_plan(cfg, plan))]
+    times = timeplan.time_plan(cfg, plan)
+    if checkpoint is not None:
+        checkpoint.update(timeplan.checkpoint_plan(cfg, world_size, plan.total_params,
+                                                   max(times["train_s"], times["generate_s"])))
+    return notes + [line.strip() for line in timeplan.render(times)]
 
 
 # --------------------------------------------------------------------------- command line
@@ -408,11 +415,15 @@ def run(args: argparse.Namespace) -> int:
     print()
     for line in timeplan.render(times):
         print(line)
+    ckpt = timeplan.checkpoint_plan(cfg, lay["world_size"], plan.total_params,
+                                    max(times["train_s"], times["generate_s"]))
+    print(timeplan.render_checkpoint(ckpt))
     refusal = plan.refusal()
     if refusal:
         print(refusal)
     out = {"recipe": args.recipe, "layout": lay, "total_params": plan.total_params,
-           **{name: role.as_json() for name, role in plan.roles.items()}, "time": times}
+           **{name: role.as_json() for name, role in plan.roles.items()}, "time": times,
+           "checkpoint": ckpt}
     if "engine" in plan.roles:
         out["engine"]["kv"] = plan.roles["engine"].kv
     print(json.dumps(out))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -74,6 +74,9 @@ class _Sizes:
     start_judge: bool
     judge_needed: bool
     judge_why: str
+    checkpoint: dict = field(default_factory=dict)
+    """The checkpoint plan (GPU plans whose model config is here): size, save and step time,
+    the USR1 lead time they need."""
 
 
 def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()) -> Plan:
@@ -83,6 +86,7 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
     notes: list[str] = []
     blockers: list[str] = []
     z = _size_roles(cfg, knobs, notes)                                  # how many nodes each
+    _check_usr1_lead(z.checkpoint, knobs)                               # a warning long enough
     hosts, addrs, by_role = _assign_hosts(z, knobs)                     # which nodes
     addr_of = dict(zip(hosts, addrs))
     servers, steps, engine_urls, router_url = _place_rollout(cfg, z, knobs, by_role, addr_of, notes)
@@ -107,7 +111,7 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         judge_model=judge_model if z.start_judge else "",
         judge_name=judge_name if judge_url else "", judge_url=judge_url, router_url=router_url,
         servers=servers, steps=steps, train_args=train_args, notes=notes, blockers=blockers,
-        timeouts=cfg.timeouts.table(cfg))
+        timeouts=cfg.timeouts.table(cfg), checkpoint=z.checkpoint)
 
 
 def _size_roles(cfg: TGConfig, knobs: Knobs, notes: list[str]) -> _Sizes:
@@ -133,7 +137,8 @@ def _size_roles(cfg: TGConfig, knobs: Knobs, notes: list[str]) -> _Sizes:
     except ConfigError as exc:
         raise PlanError(f"train: {train_nodes} nodes x {gpn} GPUs = {world} ranks do not fit the "
                         f"layout ({exc}); use a multiple of {node_step} trainer nodes") from exc
-    notes += _memory_check(cfg, world, accel)
+    checkpoint: dict = {}
+    notes += _memory_check(cfg, world, accel, checkpoint)
 
     r = cfg.rollout
     want_engines = r.engine == "sglang" and not r.server_urls
@@ -192,7 +197,7 @@ def _size_roles(cfg: TGConfig, knobs: Knobs, notes: list[str]) -> _Sizes:
     return _Sizes(gpn=gpn, accel=accel, train_nodes=train_nodes, world=world, dims=dims,
                   want_engines=want_engines, engine=engine, per_node=per_node, span=span,
                   rollout_nodes=rollout_nodes, judge_nodes=judge_nodes, start_judge=start_judge,
-                  judge_needed=judge_needed, judge_why=judge_why)
+                  judge_needed=judge_needed, judge_why=judge_why, checkpoint=checkpoint)
 
 
 def _assign_hosts(z: _Sizes, knobs: Knobs) -> tuple[list[str], list[str], dict[str, list[str]]]:
@@ -311,12 +316,26 @@ def _trainer_args(recipe: str, overrides: Sequence[str], z: _Sizes, knobs: Knobs
     return args
 
 
-def _memory_check(cfg: TGConfig, world: int, accel: str) -> list[str]:
+def _memory_check(cfg: TGConfig, world: int, accel: str, checkpoint: dict) -> list[str]:
     """Refuse a recipe that does not fit its GPUs (megatron_tg/launch/memory.py); its time plan
-    becomes notes. Imported here: it needs torch, the rest of the planner does not."""
+    becomes notes, its checkpoint plan goes to ``checkpoint``. Imported here: it needs torch,
+    the rest of the planner does not."""
     from megatron_tg.launch.memory import launch_check
 
-    return launch_check(cfg, world, accel)
+    return launch_check(cfg, world, accel, checkpoint)
+
+
+def _check_usr1_lead(ckpt: dict, knobs: Knobs) -> None:
+    """Refuse a job whose USR1 warning comes too late to finish a step and write a checkpoint."""
+    if not ckpt or knobs.usr1_lead_s is None or knobs.usr1_lead_s >= ckpt["usr1_lead_s"]:
+        return
+    raise PlanError(
+        f"usr1_lead: the job is warned {knobs.usr1_lead_s} s before its time limit "
+        f"(--signal=B:USR1@{knobs.usr1_lead_s}), but one step ({ckpt['step_s']:,} s) plus one "
+        f"checkpoint save ({ckpt['checkpoint_bytes'] / 1e9:,.0f} GB at {ckpt['write_gbps']:g} GB/s: "
+        f"{ckpt['save_s']:,} s) and the exit need {ckpt['usr1_lead_s']} s: submit with "
+        f"--signal=B:USR1@{ckpt['usr1_lead_s']} (USR1_LEAD={ckpt['usr1_lead_s']}), or set "
+        f"checkpoint.write_gbps_per_node to what the filesystem measures")
 
 
 def engine_flags(r: RolloutConfig, engine: str = "sglang") -> list[str]:
@@ -404,6 +423,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     servers.add_argument("--judge-url")
     servers.add_argument("--judge-tp", type=int)
     ap.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE)
+    ap.add_argument("--usr1-lead", type=int, metavar="S",
+                    help="seconds before the time limit the job gets USR1 (its --signal=B:USR1@S); "
+                         "refused when shorter than one step plus one checkpoint save needs")
     ap.add_argument("--job-dir", default="runs/slurm/JOB", help="per-job dir (default: a placeholder)")
     ap.add_argument("--out-dir", help="also write plan.env, plan.txt and plan.json here (one planning "
                                       "for all three: each Python start costs the batch job ~1 s)")
@@ -422,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
         accel=args.accel, engine=args.engine, engine_model=args.engine_model,
         router=None if args.router is None else bool(args.router), judge_model=args.judge_model,
         judge_name=args.judge_name, judge_url=args.judge_url, judge_tp=args.judge_tp,
-        port_base=args.port_base, job_dir=args.job_dir)
+        port_base=args.port_base, job_dir=args.job_dir, usr1_lead_s=args.usr1_lead)
     try:
         plan = make_plan(args.recipe, args.overrides, knobs)
     except ConfigError as exc:  # PlanError too: one line naming the knob, no traceback

@@ -50,6 +50,10 @@ def render_text(plan: Plan) -> str:
                 f"{st.gpus_per_node} GPUs/node" if st.gpus_per_node else "no GPUs")
         out.append(f"  {st.name:18} {_hostlist(st.hosts):16} {st.ntasks:4d} tasks "
                    f"({st.tasks_per_node}/node), {gpus}{', overlap' if st.overlap else ''}")
+    if plan.checkpoint:
+        from megatron_tg.launch.timeplan import render_checkpoint
+
+        out.append(render_checkpoint(plan.checkpoint))
     if plan.timeouts:
         out.append("timeouts (s): " + ", ".join(f"{k}={v:g}" for k, v in plan.timeouts.items()))
     out.append("trainer: <TRAINER_CMD> " + " ".join(shlex.quote(a) for a in plan.train_args))
@@ -87,7 +91,8 @@ def render_env(plan: Plan) -> str:
         ("TG_SYNC_MASTER", plan.sync_master), ("TG_ROUTER_URL", plan.router_url),
         ("TG_JUDGE_URL", plan.judge_url), ("TG_JUDGE_NAME", plan.judge_name),
         ("TG_JUDGE_MODEL", plan.judge_model), ("TG_ENGINE", plan.engine),
-        ("TG_ENGINE_MODEL", plan.engine_model))]
+        ("TG_ENGINE_MODEL", plan.engine_model),
+        ("TG_USR1_LEAD", plan.checkpoint.get("usr1_lead_s", "")))]
     lines.append(array("TG_TRAIN_HOSTS", plan.roles["train"]))
     lines.append(array("TG_ROLLOUT_HOSTS", plan.roles["rollout"]))
     lines.append(array("TG_JUDGE_HOSTS", plan.roles["judge"]))

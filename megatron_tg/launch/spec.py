@@ -59,6 +59,9 @@ class Knobs:
     judge_tp: Optional[int] = None
     """Tensor-parallel size of the judge server; None = every GPU of its nodes."""
     port_base: int = DEFAULT_PORT_BASE
+    usr1_lead_s: Optional[int] = None
+    """Seconds before the time limit that Slurm sends USR1 (``--signal=B:USR1@N``); a plan whose
+    step plus checkpoint save needs longer is refused. None = not checked."""
     job_dir: str = "runs/slurm/JOB"
     """Per-job directory: plan files and one log per server (``logs/``)."""
 
@@ -136,6 +139,9 @@ class Plan:
     """Problems that stop a launch but not a dry-run (e.g. no judge model given)."""
     timeouts: dict[str, float] = field(default_factory=dict)
     """Every limit of the run, resolved (:meth:`TimeoutsConfig.table`), by config path."""
+    checkpoint: dict = field(default_factory=dict)
+    """Checkpoint size, expected save and step time and the USR1 lead time they need
+    (``timeplan.checkpoint_plan``); empty for CPU plans."""
 
     @property
     def nodes(self) -> int:

@@ -104,8 +104,7 @@ def time_plan(cfg: TGConfig, plan: "MemoryPlan", a: Assumptions = Assumptions())
     judge_tokens = rollouts * criteria * min(per_rollout, math.ceil(cfg.judge.max_transcript_chars
                                                                      / CHARS_PER_TOKEN))
     sync_bytes = 2 * plan.total_params  # bf16, every parameter once per sync
-    expert_copy = cfg.objective.expert != "shared"
-    ckpt = plan.total_params * (2 + 12 + (2 if expert_copy else 0))  # bf16 + fp32 master/m/v
+    ckpt = checkpoint_bytes(cfg, plan.total_params)
     rates = {"train": train_s, "generate": gen_s}
     return {
         "rollouts_per_step": rollouts, "tokens_per_rollout": per_rollout,
@@ -117,6 +116,38 @@ def time_plan(cfg: TGConfig, plan: "MemoryPlan", a: Assumptions = Assumptions())
         "assumptions": {"mfu": a.mfu, "peak_flops": a.peak_flops, "engine_tokens_per_s": eng_tps,
                         "chars_per_token": CHARS_PER_TOKEN},
     }
+
+
+# After the last save: the trainer's exit, the engines' teardown and the requeue (scontrol)
+# in slurm/lib.sh. A rough allowance, not a measurement.
+EXIT_MARGIN_S = 60.0
+
+
+def checkpoint_bytes(cfg: TGConfig, total_params: int) -> int:
+    """Bytes of one checkpoint: the model in its dtype, fp32 main parameters (bf16 models
+    only; megatron's optimizer keeps fp32 weights in place), Adam's two fp32 moments, and
+    the expert copy (frozen: the model's dtype; EMA: fp32, checkpoint.py saves the average)."""
+    model = 2 if cfg.model.params_dtype == "bfloat16" else 4
+    main = 4 if model == 2 else 0
+    expert = {"shared": 0, "frozen": model, "ema": 4}[cfg.objective.expert]
+    return total_params * (model + main + 8 + expert)
+
+
+def checkpoint_plan(cfg: TGConfig, world: int, total_params: int, step_s: float) -> dict[str, Any]:
+    """Checkpoint size, expected save time at ``checkpoint.write_gbps_per_node`` per trainer
+    node, and the USR1 lead time that covers a stop signal arriving at the start of a step.
+
+    Lead time = max(step, save) + save + :data:`EXIT_MARGIN_S`, rounded up to 10 s: the step in
+    progress finishes (while an earlier asynchronous save may still be writing, which delays
+    the last save by what outlasts the step), then the last save is written and waited for,
+    then the job exits and requeues."""
+    size = checkpoint_bytes(cfg, total_params)
+    nodes = max(1, math.ceil(world / cfg.parallel.gpus_per_node))
+    save_s = size / (cfg.checkpoint.write_gbps_per_node * 1e9 * nodes)
+    lead = max(step_s, save_s) + save_s + EXIT_MARGIN_S
+    return {"checkpoint_bytes": size, "write_gbps": cfg.checkpoint.write_gbps_per_node * nodes,
+            "save_s": round(save_s, 1), "step_s": round(step_s, 1),
+            "usr1_lead_s": int(math.ceil(lead / 10) * 10)}
 
 
 def render(t: dict[str, Any]) -> list[str]:
@@ -132,3 +163,10 @@ def render(t: dict[str, Any]) -> list[str]:
         f"{t['checkpoint_bytes'] / 1e9:.1f} GB",
         f"  bottleneck: {t['bottleneck']}",
     ]
+
+
+def render_checkpoint(c: dict[str, Any]) -> str:
+    return (f"checkpoint {c['checkpoint_bytes'] / 1e9:,.0f} GB, save {c['save_s']:,} s at "
+            f"{c['write_gbps']:g} GB/s (checkpoint.write_gbps_per_node x trainer nodes); step "
+            f"{c['step_s']:,} s -> USR1 lead time {c['usr1_lead_s']:,} s (--signal=B:USR1@"
+            f"{c['usr1_lead_s']})")

@@ -225,3 +225,52 @@ def test_engines_get_the_routed_experts_flag_with_routing_replay(tmp_path):
         out = subprocess.run(["bash", "-c", 'source "$1"; printf "%s" "${TG_ENGINE_ARGS[*]}"',
                               "bash", str(env)], capture_output=True, text=True, check=True)
         assert out.stdout == want
+
+
+# ---- checkpoint size, save time and the USR1 lead time --------------------------------------
+BIG = {"tg_30b": "qwen3-coder-30b-a3b-instruct", "tg_235b": "qwen3-235b-a22b",
+       "tg_480b": "qwen3-coder-480b-a35b-instruct"}
+
+
+def _big_plan(name, knobs=JUDGE, *overrides):
+    return make_plan(str(ROOT / "recipes" / f"{name}.yaml"),
+                     [f"model.hf_config={HF / BIG[name]}.json", *overrides], knobs)
+
+
+def test_checkpoint_size_save_time_and_lead_follow_the_recipe():
+    from megatron_tg.models.describe import param_counts
+    from megatron_tg.models.qwen3_moe.config import Qwen3Arch
+
+    plan = _big_plan("tg_30b")
+    c = plan.checkpoint
+    total = param_counts(Qwen3Arch.from_hf(str(HF / f"{BIG['tg_30b']}.json")))["total_params"]
+    assert c["checkpoint_bytes"] == total * (2 + 4 + 8)  # bf16 weights, fp32 main weights, Adam m, v
+    nodes = len(plan.roles["train"])
+    assert c["save_s"] == pytest.approx(c["checkpoint_bytes"] / (2e9 * nodes), abs=0.1)  # 2 GB/s a node
+    assert c["usr1_lead_s"] >= max(c["step_s"], c["save_s"]) + c["save_s"]
+    assert c["usr1_lead_s"] % 10 == 0
+    # twice the bandwidth: half the save time; a frozen expert adds its bf16 copy
+    fast = _big_plan("tg_30b", JUDGE, "checkpoint.write_gbps_per_node=4").checkpoint
+    assert fast["save_s"] == pytest.approx(c["save_s"] / 2, abs=0.1)
+    frozen = _big_plan("tg_30b", JUDGE, "objective.expert=frozen", "parallel.nodes=4").checkpoint
+    assert frozen["checkpoint_bytes"] == total * (14 + 2)
+    text = R.render_text(plan)
+    assert f"USR1 lead time {c['usr1_lead_s']:,} s" in text
+    assert f"TG_USR1_LEAD={c['usr1_lead_s']}" in R.render_env(plan)
+
+
+def test_a_warning_too_short_for_a_step_and_a_save_is_refused():
+    lead = _big_plan("tg_30b").checkpoint["usr1_lead_s"]
+    with pytest.raises(PlanError, match=rf"usr1_lead: .*USR1@300\b.*need {lead} s.*USR1@{lead}"):
+        _big_plan("tg_30b", dataclasses.replace(JUDGE, usr1_lead_s=300))
+    assert _big_plan("tg_30b", dataclasses.replace(JUDGE, usr1_lead_s=lead)).checkpoint["usr1_lead_s"] == lead
+
+
+@pytest.mark.parametrize("name", sorted(BIG))
+def test_each_big_jobs_signal_is_the_lead_its_plan_computes(name):
+    import re
+
+    script = (ROOT / "slurm" / f"{name}.sh").read_text()
+    signal = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", script, re.M).group(1))
+    default = int(re.search(r'USR1_LEAD="\$\{USR1_LEAD:-(\d+)\}"', script).group(1))
+    assert signal == default == _big_plan(name).checkpoint["usr1_lead_s"]
