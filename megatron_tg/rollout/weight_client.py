@@ -63,6 +63,9 @@ class TrainerWeightGroup:
     group_name: str
     servers: list[str]
     rank_offsets: list[int]
+    master_address: str = "127.0.0.1"
+    backend: str = "gloo"
+    timeout_s: float = 300.0
 
 
 def check_weight_sync(info: EngineInfo) -> None:
@@ -103,6 +106,10 @@ def group_layout(infos: Sequence[EngineInfo]) -> tuple[int, list[int]]:
 
 class _AdminCalls(Protocol):
     admin_urls: list[str]
+    health_timeout_s: float
+    expected_weight_version: str | None
+
+    async def _model_info(self, url: str, timeout: Any) -> dict[str, Any] | None: ...
 
     async def _call(self, url: str, method: str, path: str, body: Any = None,
                     timeout_s: float | None = None) -> Any: ...
@@ -160,7 +167,7 @@ class WeightUpdateCalls:
             if not isinstance(results[0], BaseException):
                 results[0].close()
             raise SGLangClientError(f"init_weights_update_group failed: {errors}", errors=errors)
-        return TrainerWeightGroup(results[0], group_name, urls, offsets)
+        return TrainerWeightGroup(results[0], group_name, urls, offsets, master_address, backend, timeout_s)
 
     async def begin_weight_update(self, group: TrainerWeightGroup) -> dict[str, Any]:
         return await self.broadcast("POST", "/begin_weight_update", {}, servers=group.servers, strict=True)
@@ -220,3 +227,52 @@ class WeightUpdateCalls:
                                  servers=group.servers)
         finally:
             group.group.close()
+
+    # ---- engine loss and return -------------------------------------------------------------
+    async def lost_members(self, group: TrainerWeightGroup, versions: bool = True) -> list[str]:
+        """Members of ``group`` that cannot take the next broadcast: not answering
+        ``/model_info`` (dead, or the host is gone), or answering with a weight version other
+        than the last one synced (a restarted process at the same URL: it left the group when
+        its predecessor died; ``versions=False`` skips that test, for an engine being
+        admitted). Asked before every bucket, so a sync stops between buckets
+        instead of broadcasting into a communicator with a dead member."""
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
+        expected = self.expected_weight_version if versions else None
+
+        async def lost(url: str) -> bool:
+            try:
+                info = await self._model_info(url, timeout)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return True
+            if info is None:
+                return True
+            return expected is not None and str(info.get("weight_version")) != expected
+
+        flags = await asyncio.gather(*(lost(u) for u in group.servers))
+        return [u for u, bad in zip(group.servers, flags) if bad]
+
+    async def reform_weights_update_group(self, group: TrainerWeightGroup, servers: Sequence[str],
+                                          master_port: int, group_name: str) -> TrainerWeightGroup:
+        """Destroy ``group`` (closing any open weight-update on the members still there) and
+        form a new one with ``servers``: SGLang's way to drop a dead member or add a returned
+        one, since a communicator's members are fixed at its creation."""
+        from .client import SGLangClientError
+
+        gone = [u for u in group.servers if u not in servers]
+        keep = [u for u in group.servers if u not in gone]
+        if keep:  # an aborted sync left /begin_weight_update open there; errors: none was open
+            try:
+                await self.broadcast("POST", "/end_weight_update", {}, servers=keep)
+            except SGLangClientError:
+                pass
+        try:
+            await self.destroy_weights_update_group(group)
+        except SGLangClientError as exc:  # every member gone: only the trainer side closes
+            log.warning("destroying weight-update group %s: %s", group.group_name, exc)
+        if not servers:
+            raise SGLangClientError(f"no rollout engine left for the weight-update group (lost {gone})")
+        return await self.init_weights_update_group(group.master_address, master_port, group_name,
+                                                    group.backend, servers=list(servers),
+                                                    timeout_s=group.timeout_s)

@@ -40,6 +40,9 @@ class WeightTarget:
 
     client: "SGLangClient"
     group: "TrainerWeightGroup"
+    """Replaced when an engine is lost or comes back (:mod:`megatron_tg.train.engine_loss`)."""
+    formations: int = 0
+    """How many times the group was re-formed (each formation gets a fresh group name)."""
 
 
 class RolloutSource(Protocol):

@@ -200,7 +200,7 @@ class RolloutSide:
                                       vocab_size=len(tokenizer), initial_version=version,
                                       routing=routing_spec(cfg))
         self.judge = Judge(rubric, tokenizer, llm=llm, tool_call_reading=r.tool_call_reading)
-        self.weight_group = None
+        self.weight_target_: WeightTarget | None = None
         self.last_judged: list[tuple[Rollout, Any]] = []
 
     def call(self, coro):
@@ -210,15 +210,17 @@ class RolloutSide:
         """The engines' client and the weight-update group, formed on first use: on the
         trainer's host for embedded engines, else ``rollout.sync_master_address`` or this
         host's name; NCCL for SGLang engines when the trainer has a GPU (``sync_backend``)."""
-        if self.weight_group is None:
+        if self.weight_target_ is None:
             r = self.cfg.rollout
             host = r.sync_master_address or ("127.0.0.1" if self.engines else socket.gethostname())
             backend = r.sync_backend if r.sync_backend != "auto" else (
                 "nccl" if r.engine == "sglang" and torch.cuda.is_available() else "gloo")
-            self.weight_group = self.call(self.client.init_weights_update_group(
+            group = self.call(self.client.init_weights_update_group(
                 host, free_port(), group_name="tg-weights", backend=backend,
                 timeout_s=self.cfg.timeouts.weight_sync_s))
-        return WeightTarget(self.client, self.weight_group)
+            # one target for the run: a lost or returned engine replaces its group in place
+            self.weight_target_ = WeightTarget(self.client, group)
+        return self.weight_target_
 
     def run_sync(self, push: Callable[[], Awaitable[SyncStats]], version: int, *,
                  restart: bool = False) -> SyncStats:
@@ -290,8 +292,8 @@ class RolloutSide:
     def close(self) -> None:
         try:
             self.call(self.manager.stop())
-            if self.weight_group is not None:
-                self.call(self.client.destroy_weights_update_group(self.weight_group))
+            if self.weight_target_ is not None:
+                self.call(self.client.destroy_weights_update_group(self.weight_target_.group))
             self.call(self.client.close())
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -142,6 +142,9 @@ class SyncStats:
     bytes: int = 0
     buckets: int = 0
     seconds: float = 0.0
+    lost: list[str] = field(default_factory=list)
+    """Engines found dead (or restarted) during this push, on the sender; the push sent
+    nothing after it found them and must be redone without them (:mod:`.engine_loss`)."""
 
     def as_metrics(self) -> dict[str, float]:
         return {"sync/tensors": self.tensors, "sync/bytes": self.bytes,
@@ -151,26 +154,49 @@ class SyncStats:
 
 async def push_weights(client, group, model: torch.nn.Module, arch: Qwen3Arch, ctx, *,
                        version: int, bucket_bytes: int = 512 * 2**20,
-                       dtype: torch.dtype | None = None, flush: bool = True) -> SyncStats:
+                       dtype: torch.dtype | None = None, flush: bool = True,
+                       admitting: bool = False, check_versions: bool = True) -> SyncStats:
     """Collective: all trainer ranks call it; rank 0 (the sender) needs ``client``/``group``
     (``None`` elsewhere). The caller holds the engines paused (the rollout manager does).
 
     ``dtype``: convert while packing (e.g. bf16 engines from fp32 trainer weights).
-    ``flush``: flush the engines' cache at the end (False for ``pause_mode=in_place``)."""
+    ``flush``: flush the engines' cache at the end (False for ``pause_mode=in_place``).
+    ``admitting``: a returned engine alone; its version is set only once a check passed.
+    ``check_versions``: a member reporting another version than the last synced is lost (a
+    restarted process); off when redoing a push whose first try loaded part of the weights.
+
+    Before each bucket the sender asks which members are lost (:meth:`lost_members`); once
+    one is, it stops sending (the other ranks' gathers go on to the end) and returns with
+    ``stats.lost`` set, and the caller re-forms the group and pushes again."""
     start = time.perf_counter()
     stats = SyncStats()
     sender = client is not None
     bucket = FlatBucket(bucket_bytes, group.group.device) if sender else None
 
+    begun = False  # versions are compared before the push only: loading a bucket may change them
+
+    async def lost() -> bool:
+        if not stats.lost:
+            stats.lost = await client.lost_members(group, versions=check_versions and not
+                                                   (admitting or begun))
+        return bool(stats.lost)
+
     async def send(what) -> None:
-        await client.update_weights_from_distributed(group, what, flush_cache=False)
+        if await lost():
+            return  # draining: nothing more goes into a group with a dead member
+        try:
+            await client.update_weights_from_distributed(group, what, flush_cache=False)
+        except Exception:
+            if not await lost():  # a failure with every member alive is not an engine loss
+                raise
+            return
         stats.buckets += 1
 
     async def pack(name: str, t: torch.Tensor) -> None:
         d = dtype or t.dtype
         stats.tensors += 1
         stats.bytes += t.numel() * d.itemsize
-        if not sender:
+        if not sender or stats.lost:
             return
         if not bucket.fits(t, d) and bucket.names:
             await send(bucket)
@@ -180,8 +206,13 @@ async def push_weights(client, group, model: torch.nn.Module, arch: Qwen3Arch, c
         else:  # larger than a bucket: goes alone, as a plain per-tensor broadcast
             await send([(name, t.to(device=bucket.device, dtype=d).contiguous())])
 
-    if sender:
-        await client.begin_weight_update(group)
+    if sender and not await lost():
+        begun = True
+        try:
+            await client.begin_weight_update(group)
+        except Exception:
+            if not await lost():
+                raise
     for item in iter_hf_weights(model, arch, ctx):
         await pack(*item)
         del item  # else it pins the previous parameter while the next one is gathered
@@ -189,10 +220,12 @@ async def push_weights(client, group, model: torch.nn.Module, arch: Qwen3Arch, c
         if bucket.names:
             await send(bucket)
         bucket.release()
-        await client.end_weight_update(group)
-        await client.update_weight_version(str(version), servers=group.servers)
-        if flush:
-            await client.flush_cache(servers=group.servers, strict=True)
+        if not stats.lost:
+            await client.end_weight_update(group)
+            if not admitting:
+                await client.update_weight_version(str(version), servers=group.servers)
+            if flush:
+                await client.flush_cache(servers=group.servers, strict=True)
     stats.seconds = time.perf_counter() - start
     return stats
 
@@ -277,8 +310,9 @@ class SyncChecks:
         return cls(r.sync_verify_coverage, r.sync_probe_interval, r.sync_probe_tol, r.sync_probe_tokens)
 
 
-def probe_engines(trainer, call, client, checks: SyncChecks) -> dict[str, float]:
-    """Collective: the trainer's log-probs of the probe sequence against each engine's.
+def probe_engines(trainer, call, client, checks: SyncChecks, servers=None) -> dict[str, float]:
+    """Collective: the trainer's log-probs of the probe sequence against each engine's
+    (``servers``: the weight-update group's members; default every admin URL).
 
     Rank 0 asks every engine (``call`` runs a coroutine on the rollout side's loop); the
     verdict is broadcast so that every rank stops together when an engine is wrong."""
@@ -293,7 +327,7 @@ def probe_engines(trainer, call, client, checks: SyncChecks) -> dict[str, float]
         url = None
         try:
             worst = 0.0
-            for url in client.admin_urls:
+            for url in (servers if servers is not None else client.admin_urls):
                 engine = call(engine_logprobs(client, url, tokens))
                 worst = max(worst, compare_logprobs(url, engine, mine, checks.probe_tol, trainer.step))
             verdict = worst
@@ -310,26 +344,37 @@ def probe_engines(trainer, call, client, checks: SyncChecks) -> dict[str, float]
 
 def sync_to_engines(trainer, side: "RolloutSource | None", checks: SyncChecks, *,
                     restart: bool = False) -> dict[str, float]:
-    """Collective: the trainer's weights -> every engine, as policy version ``trainer.step``,
-    then the checks that prove the engines serve them.
+    """Collective: the trainer's weights -> every live engine, as policy version
+    ``trainer.step``, then the checks that prove the engines serve them, then the return of
+    engines that were lost and answer again (:mod:`megatron_tg.train.engine_loss`).
 
     ``side`` is global rank 0's rollout side (None on the other ranks, which take part in the
     gathers only). ``restart``: the engines just started on the base weights while the
     manager (restored from the checkpoint) already counts ``trainer.step``; nothing is
     generating yet, so the push goes straight to the engines without a version bump."""
+    from megatron_tg.train.engine_loss import admit_returned, push_to_live_engines
+
     r, checks.syncs = trainer.cfg.rollout, checks.syncs + 1
     target = side.weight_target() if side is not None else None
-    client, group = (target.client, target.group) if target is not None else (None, None)
+    client = target.client if target is not None else None
 
-    async def push():
+    async def push_into(group, admitting: bool = False, check_versions: bool = True):
         return await push_weights(client, group, trainer.model, trainer.arch, trainer.ctx,
                                   version=trainer.step, bucket_bytes=r.sync_bucket_mb << 20,
-                                  flush=r.pause_mode != "in_place")
+                                  flush=r.pause_mode != "in_place", admitting=admitting,
+                                  check_versions=check_versions)
+
+    async def push(check_versions: bool = True):  # into the group as it is now (a loss replaces it)
+        return await push_into(target.group if target is not None else None,
+                               check_versions=check_versions)
+
+    lost = 0
 
     async def push_and_verify():
-        stats = await push()
+        nonlocal lost
+        stats, lost = await push_to_live_engines(push, target)
         if checks.coverage_due():  # all ranks agree: the second push is collective too
-            await (verify_coverage(client, group, push) if client else push())
+            await (verify_coverage(client, target.group, push) if client else push())
         return stats
 
     if side is None:
@@ -338,5 +383,11 @@ def sync_to_engines(trainer, side: "RolloutSource | None", checks: SyncChecks, *
         stats = side.run_sync(push_and_verify, trainer.step, restart=restart)
     metrics = stats.as_metrics()
     if checks.probe_due():
-        metrics.update(probe_engines(trainer, None if side is None else side.call, client, checks))
+        metrics.update(probe_engines(trainer, None if side is None else side.call, client, checks,
+                                     None if target is None else target.group.servers))
+    run = asyncio.run if side is None else side.call
+    admitted = run(admit_returned(trainer, target, checks, push_into))
+    metrics.update({"sync/engines_lost": float(lost), "sync/engines_admitted": float(admitted)})
+    if target is not None:
+        metrics["sync/engines"] = float(len(target.group.servers))
     return metrics

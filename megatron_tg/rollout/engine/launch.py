@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -26,6 +26,8 @@ class Engine:
     url: str
     proc: subprocess.Popen
     log_path: Path
+    argv: list[str] = field(default_factory=list)
+    """The command line it runs (:func:`restart_engine` starts it again, same port)."""
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -71,15 +73,30 @@ def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0
     for i, model_dir in enumerate(model_dirs):
         port = free_port()
         log_path = log_dir / f"engine_{port}.log"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_tg.rollout.engine", "--model", str(model_dir), "--port", str(port),
-             "--host", "127.0.0.1", "--threads", str(threads), *extra_args],
-            stdout=open(log_path, "wb"),
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=_die_with_parent,
-        )
-        engines.append(Engine(f"http://127.0.0.1:{port}", proc, log_path))
+        argv = [sys.executable, "-m", "megatron_tg.rollout.engine", "--model", str(model_dir), "--port", str(port),
+                "--host", "127.0.0.1", "--threads", str(threads), *extra_args]
+        engines.append(Engine(f"http://127.0.0.1:{port}", _spawn(argv, log_path, env), log_path, argv))
+    _wait_healthy(engines, timeout_s)
+    return engines
+
+
+def _spawn(argv: list[str], log_path: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=_die_with_parent)
+
+
+def restart_engine(engine: Engine, timeout_s: float = 90.0) -> Engine:
+    """A dead engine started again at its URL, on the weights it started with (what a
+    cluster's restart of a crashed server does); waits until it is healthy."""
+    if engine.proc.poll() is None:
+        raise RuntimeError(f"engine {engine.url} is still running (pid {engine.proc.pid})")
+    env = dict(os.environ, OMP_NUM_THREADS="1", ENGINE_LOG_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    new = Engine(engine.url, _spawn(engine.argv, engine.log_path, env), engine.log_path, engine.argv)
+    _wait_healthy([new], timeout_s)
+    return new
+
+
+def _wait_healthy(engines: list[Engine], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for e in engines:
         while True:
@@ -96,6 +113,5 @@ def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0
                     x.kill()
                 raise RuntimeError(f"engine {e.url} not healthy after {timeout_s}s:\n{e.log_tail()}")
             time.sleep(0.2)
-    return engines
 
 
