@@ -86,11 +86,12 @@ class RolloutServiceClient:
         self.last_judged: list = []
         self.info = self._call("hello", protocol=PROTOCOL, config=config_fingerprint(cfg))
         urls = self.info["admin_urls"]
-        if process is None and any(urlparse(u).hostname in _LOOPBACK for u in urls):
+        if (process is None and self.info.get("engines_started")
+                and any(urlparse(u).hostname in _LOOPBACK for u in urls)):
             raise RolloutServiceError(
-                f"rollout service {self.url} serves engines at {urls}: loopback addresses this "
-                "trainer cannot reach on another host (start the engines as servers with "
-                "rollout.server_urls, or use rollout.service=local)")
+                f"rollout service {self.url} started its own engines at {urls}: loopback "
+                "addresses a trainer on another host cannot reach (start the engines as "
+                "servers and give rollout.server_urls, or use rollout.service=local)")
         # The trainer's own engine client, for the weight push and the engine probes only.
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="service-client", daemon=True)
