@@ -98,7 +98,8 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
     sync_master = master_addr if engine_urls else ""
     train_args = _trainer_args(recipe, overrides, z, knobs, engine_urls, judge_url, judge_name,
                                sync_master, router_url)
-    service_url, service_args = _place_service(cfg, knobs, by_role, addr_of, servers, steps, train_args)
+    service_url, service_args = _place_service(cfg, knobs, by_role, addr_of, servers, steps, train_args,
+                                               notes)
     _add_step(steps, servers, knobs, "tg-train", "train", train_hosts, z.gpn,
               gpus_per_node=z.gpn if z.accel == "gpu" else 0)
     if service_url:
@@ -303,7 +304,7 @@ def _place_judge(cfg: TGConfig, z: _Sizes, knobs: Knobs, judge_hosts: list[str],
 
 def _place_service(cfg: TGConfig, knobs: Knobs, by_role: dict[str, list[str]],
                    addr_of: dict[str, str], servers: list[Server], steps: list[Step],
-                   train_args: list[str]) -> tuple[str, list[str]]:
+                   train_args: list[str], notes: list[str]) -> tuple[str, list[str]]:
     """The rollout service's server and step (when wanted): its URL and command line. It
     shares its node with the engines there (CPU-only, like the router); its arguments are
     the trainer's, so both resolve the same config (checked when they connect)."""
@@ -316,6 +317,12 @@ def _place_service(cfg: TGConfig, knobs: Knobs, by_role: dict[str, list[str]],
                           log=f"{knobs.job_dir.rstrip('/')}/logs/rollout_service.log"))
     _add_step(steps, servers, knobs, "tg-rollout-service", "rollout_service", [h], 1,
               first=len(servers) - 1, serves=1, overlap=True)
+    r = cfg.rollout
+    inflight = r.max_inflight_rollouts or r.buffer_size * r.group_size
+    notes.append(f"rollout service on {h}: at most {inflight} rollouts in flight (live environments), "
+                 f"{r.buffer_size} finished groups buffered, "
+                 + (f"{r.env_workers_per_node}" if r.env_workers_per_node else f"{h}'s CPU count of")
+                 + " tool calls at once (rollout.max_inflight_rollouts, buffer_size, env_workers_per_node)")
     # The service runs its side in its own process: in_process there, whatever the recipe says.
     return servers[-1].url, [*train_args, "rollout.service=in_process"]
 

@@ -205,6 +205,9 @@ def test_rollout_service_step_on_the_rollout_node_with_the_trainers_config():
     env = R.render_env(plan)
     assert f"TG_SERVICE_URL={svc.url}" in env and "TG_SERVICE_ARGS=(--recipe" in env
     assert f"rollout service: {svc.url} on node2" in R.render_text(plan)
+    # its admission bounds, from the config (max_inflight_rollouts 0 = buffer_size x group_size)
+    assert any("at most 16 rollouts in flight" in n and "4 finished groups" in n and
+               "node2's CPU count of tool calls" in n for n in plan.notes), plan.notes
 
 
 def test_gpus_per_node_change_keeps_the_recipes_gpu_count():

@@ -22,7 +22,7 @@ from megatron_tg.config import load_config
 from megatron_tg.train.service.client import (RolloutServiceClient, RolloutServiceError,
                                               start_local_service)
 from megatron_tg.train.service.server import FactorySpec, ServiceHost
-from tests.train.service.fake_side import FakeEngine, make
+from tests.train.service.fake_side import FakeEngine
 
 TIMING = ("rollout/gen_seconds", "manager/update_seconds", "capacity/", "turn/", "service/")
 
