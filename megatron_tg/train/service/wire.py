@@ -86,7 +86,7 @@ def encode_batch(samples: Sequence[TrainSample], judged: Sequence[tuple[Rollout,
     out_samples = []
     for s in samples:
         i = index.get(id(s.rollout))
-        if i is None:  # a sample whose rollout was not judged in this batch: send it whole
+        if i is None:  # the side contract: every sample is one of the batch's judged rollouts
             raise WireError(f"sample {s.rollout.rollout_id!r} is not among the batch's judged rollouts")
         out_samples.append({"judged": i, "advantage": s.advantage, "reward": s.reward,
                             "feedback": {str(k): v for k, v in s.feedback_by_turn.items()}})
