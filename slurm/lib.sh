@@ -15,6 +15,8 @@
 #   rollout   ENGINE=sglang|embedded, ENGINE_MODEL, ENGINE_CMD, ENGINE_ARGS,
 #             ROUTER=0|1, ROUTER_CMD, ROUTER_ARGS
 #   judge     JUDGE_MODEL, JUDGE_NAME, JUDGE_TP, JUDGE_CMD, JUDGE_ARGS, or JUDGE_URL (external)
+#   service   SERVICE=0|1 (the rollout side as its own step; empty: the recipe's
+#             rollout.service), SERVICE_CMD, SERVICE_ARGS
 #   trainer   TRAINER_CMD (default "$PYTHON -m megatron_tg.train"), PYTHON (default python3)
 #   network   PORT_BASE (default 29500; every port of the job is an offset from it)
 #   placement STEP_CPUS_PER_TASK (empty: a step gets its whole nodes; set: --exact with
@@ -65,6 +67,7 @@ tg_plan_flags() {
       --gpus-per-node=GPUS_PER_NODE --accel=ACCEL \
       --engine=ENGINE --engine-model=ENGINE_MODEL --router=ROUTER \
       --judge-model=JUDGE_MODEL --judge-name=JUDGE_NAME --judge-url=JUDGE_URL --judge-tp=JUDGE_TP \
+      --service=SERVICE \
       --port-base=PORT_BASE --usr1-lead=USR1_LEAD; do
     flag="${pair%%=*}" var="${pair#*=}"
     if [ -n "${!var:-}" ]; then TG_PLAN_FLAGS+=("$flag" "${!var}"); fi
@@ -350,6 +353,9 @@ tg_run_job() {
   tg_wait_healthy engine judge || { [ -n "$TG_SIGNAL" ] && tg_after_signal_without_trainer; tg_die "servers did not come up; nothing trained"; }
   tg_start_servers router
   tg_wait_healthy router || { [ -n "$TG_SIGNAL" ] && tg_after_signal_without_trainer; tg_die "router did not come up"; }
+  # The rollout service connects to the engines (and router, judge) once they answer.
+  tg_start_servers rollout_service
+  tg_wait_healthy rollout_service || { [ -n "$TG_SIGNAL" ] && tg_after_signal_without_trainer; tg_die "rollout service did not come up"; }
   if [ -n "$TG_SIGNAL" ]; then tg_after_signal_without_trainer; fi
 
   export MASTER_ADDR="$TG_MASTER_ADDR" MASTER_PORT="$TG_MASTER_PORT"

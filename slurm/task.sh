@@ -11,14 +11,16 @@
 #           ENGINE=embedded: ${ENGINE_CMD:-$PYTHON -m megatron_tg.rollout.engine} --model M ...
 #   router  ${ROUTER_CMD:-$PYTHON -m sglang_router.launch_router} --worker-urls URL... ...
 #   judge   ${JUDGE_CMD:-$PYTHON -m sglang.launch_server} --model-path M --served-model-name N ...
-# followed by ENGINE_ARGS / ROUTER_ARGS / JUDGE_ARGS (word-split).
+#   rollout_service  ${SERVICE_CMD:-$PYTHON -m megatron_tg.train.service} --recipe R [k=v ...]
+#           (the trainer's arguments, TG_SERVICE_ARGS: docs/rollout-service.md)
+# followed by ENGINE_ARGS / ROUTER_ARGS / JUDGE_ARGS / SERVICE_ARGS (word-split).
 set -euo pipefail
 : "${TG_JOB_DIR:?set by slurm/lib.sh}" "${TG_STEP_INDEX:?set by slurm/lib.sh}"
 
 # Filled by the plan; declared here so a missing entry fails loudly under set -u.
 TG_STEP_FIRST=() TG_SERVER_NAME=() TG_SERVER_ROLE=() TG_SERVER_PORT=() TG_SERVER_GPUS=()
 TG_SERVER_LOG=() TG_SERVER_DIST=() TG_SERVER_NNODES=() TG_ENGINE_URLS=() TG_ENGINE_ARGS=()
-TG_ENGINE="" TG_ENGINE_MODEL="" TG_JUDGE_MODEL="" TG_JUDGE_NAME=""
+TG_SERVICE_ARGS=() TG_ENGINE="" TG_ENGINE_MODEL="" TG_JUDGE_MODEL="" TG_JUDGE_NAME=""
 # shellcheck source=/dev/null
 source "$TG_JOB_DIR/plan.env"
 
@@ -59,6 +61,11 @@ case "${TG_SERVER_ROLE[i]}" in
     args=(--model-path "$TG_JUDGE_MODEL" --served-model-name "$TG_JUDGE_NAME"
           --tp-size "${TG_SERVER_GPUS[i]}" "${multi[@]}")
     read -r -a extra <<<"${JUDGE_ARGS:-}"
+    ;;
+  rollout_service)
+    read -r -a cmd <<<"${SERVICE_CMD:-$py -m megatron_tg.train.service}"
+    args=("${TG_SERVICE_ARGS[@]}")
+    read -r -a extra <<<"${SERVICE_ARGS:-}"
     ;;
   *)
     echo "task.sh: server $i has unknown role '${TG_SERVER_ROLE[i]}'" >&2

@@ -2,7 +2,8 @@
 # The CPU twin of slurm/tg_30b.sh: the same code path (plan, server steps, /health wait,
 # trainer step, USR1 -> checkpoint -> requeue, teardown) on 2 CPU nodes with the tiny
 # recipe. Differences are overrides only: embedded CPU engines instead of SGLang (they
-# serve SGLang's HTTP API), gloo, no GPU requests, one trainer rank and one engine.
+# serve SGLang's HTTP API), gloo, no GPU requests, one trainer rank and one engine; the
+# rollout service runs as its own step on the rollout node.
 #
 #   sbatch slurm/tg_tiny.sh model.hf_checkpoint=DIR model.hf_config=DIR [key=value ...]
 #                                                  from the repo root (once: mkdir -p runs/slurm);
@@ -34,6 +35,9 @@ export RECIPE="${RECIPE:-recipes/tiny_cpu.yaml}"
 export ACCEL="${ACCEL:-cpu}" ENGINE="${ENGINE:-embedded}" GPUS_PER_NODE="${GPUS_PER_NODE:-1}"
 export TRAIN_NODES="${TRAIN_NODES:-1}" ROLLOUT_NODES="${ROLLOUT_NODES:-1}"
 export HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-300}"
+# The rollout side (manager, agent sandboxes, judge client) as its own step on the rollout
+# node, as on a GPU cluster (docs/rollout-service.md); SERVICE=0 keeps it in trainer rank 0.
+export SERVICE="${SERVICE-1}"
 # sbatch runs a spooled copy of this file, away from lib.sh: then the repo is the submit dir.
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [ -f "$here/lib.sh" ]; then TG_ROOT="${TG_ROOT:-$(dirname "$here")}"; else TG_ROOT="${TG_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"; fi

@@ -97,7 +97,8 @@ class AgentHarness:
             messages, calls_meta = [], []
             for ev in events:
                 if isinstance(ev, ToolCall):
-                    res = await tools.call(ev.name, ev.arguments)
+                    async with ctx.tool_slot():  # an environment-worker slot (rollout/capacity.py)
+                        res = await tools.call(ev.name, ev.arguments)
                     stats["tool_calls"] += 1
                     stats["tool_failures"] += not res.ok
                     if ev.name == "search":

@@ -13,6 +13,7 @@ TOOL_CALL_READINGS = ("strict", "sglang")  # megatron_tg.chat.tool_reading.READI
 STALE_POLICIES = ("drop", "regenerate")
 PAUSE_MODES = ("in_place", "retract", "abort")
 SYNC_BACKENDS = ("auto", "nccl", "gloo")
+SERVICE_MODES = ("in_process", "local", "remote")  # megatron_tg/train/service (docs/rollout-service.md)
 
 
 @dataclass
@@ -70,6 +71,29 @@ class RolloutConfig:
     max_inflight_rollouts: int = 0
     """Most rollouts generating at once (the engines' load); a new group starts when there is
     room for all group_size of its rollouts. 0 = buffer_size * group_size."""
+
+    env_workers_per_node: int = 0
+    """Most tool calls (sandboxed commands, gradings) running at once in one rollout-side
+    process; a rollout whose tool call finds every slot busy waits for one (back-pressure,
+    counted in ``capacity/tool_wait_s``). 0 = the CPU count of the node it runs on."""
+
+    service: str = "in_process"
+    """Where the rollout side (manager, environment workers and sandboxes, judge client)
+    runs: "in_process" = in trainer rank 0's process; "local" = rank 0 starts it as its own
+    process beside the trainer (python -m megatron_tg.train.service) and pulls judged
+    batches from it over HTTP; "remote" = a service already started at ``service_url`` (the
+    Slurm scripts start one per job on the first rollout node). docs/rollout-service.md."""
+
+    service_url: Optional[str] = None
+    """Base URL (http://HOST:PORT) of the rollout service; required with service="remote"."""
+
+    service_poll_s: float = 10.0
+    """Longest one request to the rollout service is held open (a call that takes longer is
+    polled again): the time within which a dead or unreachable service is noticed."""
+
+    service_start_timeout_s: float = 600.0
+    """service="local": seconds the service may take to build its side (start engines, load
+    the tokenizer and tasks) before the trainer gives up, naming its log."""
 
     sampling_seed: Optional[int] = None
     """Seed every generation request: request seed = hash(sampling_seed, prompt position,
@@ -203,6 +227,16 @@ class RolloutConfig:
         check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
         check_choice("rollout.sync_backend", self.sync_backend, SYNC_BACKENDS)
         check_range("rollout.max_inflight_rollouts", self.max_inflight_rollouts, ge=0)
+        check_range("rollout.env_workers_per_node", self.env_workers_per_node, ge=0)
+        check_choice("rollout.service", self.service, SERVICE_MODES)
+        check_range("rollout.service_poll_s", self.service_poll_s, gt=0)
+        check_range("rollout.service_start_timeout_s", self.service_start_timeout_s, gt=0)
+        if self.service == "remote" and not self.service_url:
+            raise ConfigError("rollout.service_url: required with rollout.service='remote' "
+                              "(http://HOST:PORT of a running rollout service); got None")
+        if self.service_url is not None and not self.service_url.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout.service_url: must start with http:// (http://HOST:PORT); "
+                              f"got {self.service_url!r}")
         if self.max_inflight_rollouts and self.max_inflight_rollouts < self.group_size:
             raise ConfigError(f"rollout.max_inflight_rollouts: must be 0 (auto) or >= rollout.group_size="
                               f"{self.group_size} (room for one whole group); got {self.max_inflight_rollouts}")

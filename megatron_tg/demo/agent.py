@@ -59,7 +59,9 @@ class DemoAgent:
                 break
             if k + 1 == self.max_turns:
                 break  # no next turn would see the tool results
-            b.add_messages([{"role": "tool", "content": T.run_tool_call(task, c)} for c in calls])
+            async with ctx.tool_slot():  # in-process tools, but timed like sandboxed ones
+                results = [T.run_tool_call(task, c) for c in calls]
+            b.add_messages([{"role": "tool", "content": r} for r in results])
         verdicts = T.episode_metrics(task, b.parsed, finish)
         metadata: dict[str, Any] = {**task.info(), "hint": None, **verdicts}
         return b.build(finish, metadata=metadata)

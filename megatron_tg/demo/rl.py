@@ -134,7 +134,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if LaunchEnv.from_env().rank == 0:  # the one reading of torchrun / srun ranks
         save_resolved(cfg)
-    return run(cfg, make_rollout_side=make_rollout_side(a.probe_every, a.probe_n))
+    from megatron_tg.train.service.client import rollout_source
+    from megatron_tg.train.service.server import FactorySpec
+
+    # recipes/demo_cpu.yaml: rollout.service=local, the side in its own process beside the
+    # trainer; the factory is named so that process can build the same side.
+    return run(cfg, make_rollout_side=rollout_source(FactorySpec(
+        "megatron_tg.demo.rl:make_rollout_side", {"probe_every": a.probe_every, "probe_n": a.probe_n})))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ script, so it is the first trainer node and MASTER_ADDR is local to it):
   node (``srun --overlap``).
 * ``judge``:  an OpenAI-compatible judge server on its own node(s), when the rubric has
   LLM-judged criteria and no external endpoint is given.
+* ``rollout_service``: the rollout side (manager, environment workers and sandboxes, judge
+  client) as its own process, CPU-only, on the first rollout node (``srun --overlap``; the
+  first trainer node when the plan has no rollout nodes), when ``--service 1`` or the
+  recipe's ``rollout.service`` is not "in_process". It gets the trainer's arguments; the
+  trainer gets ``rollout.service=remote`` and its URL (docs/rollout-service.md).
 
 Node counts come from the recipe unless given. With ``--nodes`` (the allocation) and no
 ``--rollout-nodes``, the rollout role takes the nodes the others leave: generation is
@@ -95,10 +100,14 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
     train_hosts = by_role["train"]
     master_addr = addr_of[train_hosts[0]]
     sync_master = master_addr if engine_urls else ""
-    _add_step(steps, servers, knobs, "tg-train", "train", train_hosts, z.gpn,
-              gpus_per_node=z.gpn if z.accel == "gpu" else 0)
     train_args = _trainer_args(recipe, overrides, z, knobs, engine_urls, judge_url, judge_name,
                                sync_master, router_url)
+    service_url, service_args = _place_service(cfg, knobs, by_role, addr_of, servers, steps, train_args,
+                                               notes)
+    _add_step(steps, servers, knobs, "tg-train", "train", train_hosts, z.gpn,
+              gpus_per_node=z.gpn if z.accel == "gpu" else 0)
+    if service_url:
+        train_args += ["rollout.service=remote", f"rollout.service_url={service_url}"]
     want, engine = z.want_engines, z.engine
     return Plan(
         recipe=recipe, overrides=list(overrides), run_name=cfg.run_name, accel=z.accel,
@@ -110,7 +119,8 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         engine_args=engine_flags(cfg.rollout, engine) if want else [],
         judge_model=judge_model if z.start_judge else "",
         judge_name=judge_name if judge_url else "", judge_url=judge_url, router_url=router_url,
-        servers=servers, steps=steps, train_args=train_args, notes=notes, blockers=blockers,
+        service_url=service_url, service_args=service_args, servers=servers, steps=steps,
+        train_args=train_args, notes=notes, blockers=blockers,
         timeouts=cfg.timeouts.table(cfg), checkpoint=z.checkpoint)
 
 
@@ -299,6 +309,31 @@ def _place_judge(cfg: TGConfig, z: _Sizes, knobs: Knobs, judge_hosts: list[str],
     return judge_url, judge_model, judge_name
 
 
+def _place_service(cfg: TGConfig, knobs: Knobs, by_role: dict[str, list[str]],
+                   addr_of: dict[str, str], servers: list[Server], steps: list[Step],
+                   train_args: list[str], notes: list[str]) -> tuple[str, list[str]]:
+    """The rollout service's server and step (when wanted): its URL and command line. It
+    shares its node with the engines there (CPU-only, like the router); its arguments are
+    the trainer's, so both resolve the same config (checked when they connect)."""
+    want = knobs.service if knobs.service is not None else cfg.rollout.service != "in_process"
+    if not want:
+        return "", []
+    h = (by_role["rollout"] or by_role["train"])[0]
+    servers.append(Server(name="rollout_service", role="rollout_service", hosts=[h], addr=addr_of[h],
+                          port=knobs.port_base + PORT_OFFSETS["rollout_service"], gpus=0,
+                          log=f"{knobs.job_dir.rstrip('/')}/logs/rollout_service.log"))
+    _add_step(steps, servers, knobs, "tg-rollout-service", "rollout_service", [h], 1,
+              first=len(servers) - 1, serves=1, overlap=True)
+    r = cfg.rollout
+    inflight = r.max_inflight_rollouts or r.buffer_size * r.group_size
+    notes.append(f"rollout service on {h}: at most {inflight} rollouts in flight (live environments), "
+                 f"{r.buffer_size} finished groups buffered, "
+                 + (f"{r.env_workers_per_node}" if r.env_workers_per_node else f"{h}'s CPU count of")
+                 + " tool calls at once (rollout.max_inflight_rollouts, buffer_size, env_workers_per_node)")
+    # The service runs its side in its own process: in_process there, whatever the recipe says.
+    return servers[-1].url, [*train_args, "rollout.service=in_process"]
+
+
 def _trainer_args(recipe: str, overrides: Sequence[str], z: _Sizes, knobs: Knobs,
                   engine_urls: list[str], judge_url: str, judge_name: str, sync_master: str,
                   router_url: str) -> list[str]:
@@ -422,6 +457,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     servers.add_argument("--judge-name")
     servers.add_argument("--judge-url")
     servers.add_argument("--judge-tp", type=int)
+    servers.add_argument("--service", type=int, choices=(0, 1),
+                         help="the rollout side as its own step (default: as rollout.service says)")
     ap.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE)
     ap.add_argument("--usr1-lead", type=int, metavar="S",
                     help="seconds before the time limit the job gets USR1 (its --signal=B:USR1@S); "
@@ -444,6 +481,7 @@ def run(args: argparse.Namespace) -> int:
         accel=args.accel, engine=args.engine, engine_model=args.engine_model,
         router=None if args.router is None else bool(args.router), judge_model=args.judge_model,
         judge_name=args.judge_name, judge_url=args.judge_url, judge_tp=args.judge_tp,
+        service=None if args.service is None else bool(args.service),
         port_base=args.port_base, job_dir=args.job_dir, usr1_lead_s=args.usr1_lead)
     try:
         plan = make_plan(args.recipe, args.overrides, knobs)

@@ -39,6 +39,10 @@ def render_text(plan: Plan) -> str:
         where = (f"serving {plan.judge_model}" if plan.judge_model else
                  "needs JUDGE_MODEL" if plan.roles["judge"] else "external")
         out.append(f"judge: {plan.judge_url} model {plan.judge_name or '?'} ({where})")
+    if plan.service_url:
+        host = next(s.hosts[0] for s in plan.servers if s.role == "rollout_service")
+        out.append(f"rollout service: {plan.service_url} on {host} (its own process; the trainer "
+                   "pulls batches from it)")
     if plan.servers:
         out.append("servers:")
         for s in plan.servers:
@@ -91,13 +95,14 @@ def render_env(plan: Plan) -> str:
         ("TG_SYNC_MASTER", plan.sync_master), ("TG_ROUTER_URL", plan.router_url),
         ("TG_JUDGE_URL", plan.judge_url), ("TG_JUDGE_NAME", plan.judge_name),
         ("TG_JUDGE_MODEL", plan.judge_model), ("TG_ENGINE", plan.engine),
-        ("TG_ENGINE_MODEL", plan.engine_model),
+        ("TG_ENGINE_MODEL", plan.engine_model), ("TG_SERVICE_URL", plan.service_url),
         ("TG_USR1_LEAD", plan.checkpoint.get("usr1_lead_s", "")))]
     lines.append(array("TG_TRAIN_HOSTS", plan.roles["train"]))
     lines.append(array("TG_ROLLOUT_HOSTS", plan.roles["rollout"]))
     lines.append(array("TG_JUDGE_HOSTS", plan.roles["judge"]))
     lines.append(array("TG_TRAIN_ARGS", plan.train_args))
     lines.append(array("TG_ENGINE_ARGS", plan.engine_args))
+    lines.append(array("TG_SERVICE_ARGS", plan.service_args))
     lines.append(array("TG_ENGINE_URLS", [s.url for s in plan.servers if s.role == "engine"]))
     for attr in ("name", "role", "ntasks", "tasks_per_node", "gpus_per_task", "gpus_per_node", "first",
                  "output"):

@@ -18,7 +18,7 @@ ENGINE_SERVERS = ("sglang", "embedded")
 # engine + e; a node-spanning engine's ranks meet on engine_dist + 10 e (multi-node SGLang
 # also takes the few ports after its --dist-init-addr port).
 PORT_OFFSETS = {"master": 0, "router": 500, "judge": 600, "judge_dist": 700,
-                "engine": 1500, "engine_dist": 2500}
+                "rollout_service": 800, "engine": 1500, "engine_dist": 2500}
 DEFAULT_PORT_BASE = 29500  # torch's usual MASTER_PORT
 
 
@@ -56,6 +56,10 @@ class Knobs:
     model directory's name."""
     judge_url: Optional[str] = None
     """An already running judge endpoint; no judge role then."""
+    service: Optional[bool] = None
+    """Run the rollout side as its own step (the rollout service, docs/rollout-service.md)
+    on the first rollout node (the first trainer node when there is none); None = when the
+    recipe's rollout.service is not "in_process"."""
     judge_tp: Optional[int] = None
     """Tensor-parallel size of the judge server; None = every GPU of its nodes."""
     port_base: int = DEFAULT_PORT_BASE
@@ -68,7 +72,7 @@ class Knobs:
 
 @dataclass
 class Server:
-    """One HTTP server of the job: an engine, the router or the judge."""
+    """One HTTP server of the job: an engine, the router, the judge or the rollout service."""
 
     name: str
     role: str
@@ -131,6 +135,10 @@ class Plan:
     judge_name: str
     judge_url: str
     router_url: str
+    service_url: str
+    """The rollout service the trainer pulls batches from ("" = the side runs in rank 0)."""
+    service_args: list[str]
+    """The service's command line (the trainer's recipe, overrides and server URLs)."""
     servers: list[Server]
     steps: list[Step]
     train_args: list[str]

@@ -14,6 +14,8 @@ call the engine under the :class:`~megatron_tg.rollout.manager.RolloutManager`:
   with the tokens generated so far appended to the input, and the pieces are concatenated,
   so the turn's token ids and log-probs stay exactly what the engine sampled;
 * it checks the engine's answer (log-probs present, one per token, ids in the vocabulary);
+* it times the turn (``gen_seconds``), and :meth:`RolloutContext.tool_slot` admits and times
+  the rollout's tool calls (:mod:`megatron_tg.rollout.capacity`);
 * with ``routing`` (routing replay) it asks each request for the routed experts of the
   positions not covered yet (``routed_experts_start_len``) and collects them in
   ``self.routed`` (:class:`~megatron_tg.rollout.routed_experts.RoutedExpertsBuilder`).
@@ -23,11 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from megatron_tg.rollout.engine.routing import decode_routed_experts
 from megatron_tg.rollout.routed_experts import RoutedExpertsBuilder
+
+if TYPE_CHECKING:
+    from megatron_tg.rollout.capacity import ToolSlots
 
 
 class EngineError(RuntimeError):
@@ -106,7 +113,7 @@ class RolloutContext:
     def __init__(self, client, task: Any, *, group_id: str, rollout_id: str, index: int = 0,
                  gate: VersionGate | None = None, sampling_params: dict[str, Any] | None = None,
                  max_aborts: int = 3, vocab_size: int | None = None, seed: int | None = None,
-                 routing: dict[str, Any] | None = None):
+                 routing: dict[str, Any] | None = None, tools: "ToolSlots | None" = None):
         self.client = client
         self.task = task
         self.group_id = group_id
@@ -122,6 +129,14 @@ class RolloutContext:
         self.turns = 0
         self.routed = RoutedExpertsBuilder(**routing) if routing else None
         """The engine's routed experts of this rollout's tokens (routing replay), or None."""
+        self.tools = tools
+        """The manager's tool slots (the environment workers' admission), or None: unbounded."""
+        self.gen_seconds = self.tool_seconds = 0.0
+
+    def tool_slot(self):
+        """``async with ctx.tool_slot():`` around a tool call: waits for a free environment
+        worker slot (rollout.env_workers_per_node) and counts the call's time as tool time."""
+        return _timed(self, self.tools.slot() if self.tools is not None else None)
 
     @property
     def version(self) -> int:
@@ -135,6 +150,16 @@ class RolloutContext:
         budget = params.get("max_new_tokens")
         prompt = [int(t) for t in input_ids]
         turn, self.turns = self.turns, self.turns + 1
+        t0 = time.monotonic()
+        try:
+            return await self._generate(prompt, params, budget, turn)
+        finally:
+            dt = time.monotonic() - t0
+            self.gen_seconds += dt
+            if self.tools is not None:
+                self.tools.add_generation(dt)
+
+    async def _generate(self, prompt: list[int], params: dict[str, Any], budget, turn: int) -> TurnOutput:
         ids: list[int] = []
         lps: list[float] = []
         versions: list[int] = []
@@ -211,3 +236,16 @@ class RolloutContext:
             if bad:
                 raise MalformedOutputError(f"{self.rollout_id}: token ids {bad[:5]} outside the "
                                            f"vocabulary [0, {self.vocab_size})")
+
+
+@asynccontextmanager
+async def _timed(ctx: RolloutContext, slot):
+    t0 = time.monotonic()
+    try:
+        if slot is None:
+            yield
+        else:
+            async with slot:
+                yield
+    finally:
+        ctx.tool_seconds += time.monotonic() - t0

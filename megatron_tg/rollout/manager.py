@@ -14,7 +14,11 @@ Model::
   for a whole group). When the buffer is full generation waits; the groups already generating
   still finish into it, so it holds at most ``buffer_size + max_inflight_rollouts / G`` groups.
   Slots are counted per rollout, so a group's finished rollouts free engine capacity while its
-  stragglers run (the engines stay as busy as a plain request loop).
+  stragglers run (the engines stay as busy as a plain request loop). Tool calls take one of
+  ``env_workers_per_node`` environment-worker slots (:mod:`megatron_tg.rollout.capacity`):
+  a rollout waits for a slot instead of forking another sandbox. :meth:`capacity_metrics`
+  reports queue depth, in-flight rollouts against their bound, sandbox utilisation and the
+  generation vs tool time per turn.
 * **Staleness**: a group's version is the OLDEST policy version of any of its turns.
   ``get_batch(current_version)`` never returns a group older than
   ``current_version - max_staleness``; older groups are dropped (reason ``stale``) or, with
@@ -46,6 +50,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
+from megatron_tg.rollout.capacity import ToolSlots, env_workers
 from megatron_tg.rollout.client import SGLangClientError
 from megatron_tg.rollout.context import (EngineError, MalformedOutputError, RolloutContext, VersionGate,
                                          request_seed)
@@ -121,6 +126,7 @@ class RolloutManager:
         if self.max_inflight_rollouts < config.group_size:
             raise ValueError(f"max_inflight_rollouts={self.max_inflight_rollouts} < group_size={config.group_size}: "
                              "no group could ever start")
+        self.tool_slots = ToolSlots(env_workers(getattr(config, "env_workers_per_node", 0)))
         self._tasks: set[asyncio.Task] = set()
         self._producer: asyncio.Task | None = None
         self._error: BaseException | None = None
@@ -227,7 +233,7 @@ class RolloutManager:
         # regenerated on the same weights (after a resume) samples the same tokens.
         ctxs = [RolloutContext(self.client, task, group_id=gid, rollout_id=f"{gid}/{i}", index=i, gate=self.gate,
                                sampling_params=self.sampling_params, max_aborts=self.cfg.max_retries,
-                               vocab_size=self.vocab_size, routing=self.routing,
+                               vocab_size=self.vocab_size, routing=self.routing, tools=self.tool_slots,
                                seed=None if base_seed is None else request_seed(base_seed, item.index, i))
                 for i in range(self.cfg.group_size)]
         subs = [asyncio.create_task(self.rollout_fn(c)) for c in ctxs]
@@ -431,6 +437,16 @@ class RolloutManager:
                  data_position=self._next, policy_version=self.version,
                  update_seconds=round(float(self._c["update_seconds"]), 6))
         return c
+
+    def capacity_metrics(self) -> dict[str, float]:
+        """``capacity/*`` and ``turn/*`` for the step's metrics: the buffer and in-flight
+        bounds and how full they are now, and the tool slots' figures since the last call."""
+        return {"capacity/queue_depth": float(len(self._buffer)),
+                "capacity/buffer_size": float(self.cfg.buffer_size),
+                "capacity/rollouts_in_flight": float(self._rollouts_running),
+                "capacity/inflight_limit": float(self.max_inflight_rollouts),
+                "capacity/groups_queued": float(len(self._requeue)),
+                **self.tool_slots.take()}
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming every broken accounting rule."""

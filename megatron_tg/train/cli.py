@@ -68,7 +68,12 @@ def run(args: argparse.Namespace) -> int:
 
     if LaunchEnv.from_env().rank == 0:  # the one reading of torchrun / srun ranks
         save_resolved(cfg)
-    return run_loop(cfg, make_rollout_side=default_rollout_side)
+    from megatron_tg.train.service.client import rollout_source
+    from megatron_tg.train.service.server import FactorySpec
+
+    # rollout.service: in rank 0's process, or a service process (docs/rollout-service.md)
+    return run_loop(cfg, make_rollout_side=rollout_source(FactorySpec(
+        "megatron_tg.train.cli:default_rollout_side")))
 
 
 def main(argv=None) -> int:

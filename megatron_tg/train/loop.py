@@ -117,8 +117,17 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
     dist.barrier()  # no rank leaves before rank 0 has stopped its engines
     dist.destroy_process_group()
     if code == EXIT_DONE:
-        _say(rank0, f"done: step {trainer.step} of {cfg.steps}")
+        _say(rank0, f"done: step {trainer.step} of {cfg.steps} ({_usage()})")
     return code
+
+
+def _usage() -> str:
+    """This process's CPU time and peak resident memory (rank 0's own, without the engine or
+    rollout-service processes; docs/rollout-service.md compares the placements)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return f"this rank: cpu {ru.ru_utime + ru.ru_stime:.1f} s, peak rss {ru.ru_maxrss / 1024:.0f} MiB"
 
 
 def _say(rank0: bool, text: str) -> None:

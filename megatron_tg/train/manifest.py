@@ -76,8 +76,10 @@ def judge_identity(cfg, rubric_path: str | None) -> dict[str, Any]:
 
 def write_manifest(run_dir: str | os.PathLike, cfg, *, step: int,
                    judge: dict[str, Any] | None = None,
-                   engines: list[dict[str, Any]] | None = None) -> Path:
-    """Append this start to ``run_dir/manifest.json`` (creating it); returns its path."""
+                   engines: list[dict[str, Any]] | None = None,
+                   rollout_service: dict[str, Any] | None = None) -> Path:
+    """Append this start to ``run_dir/manifest.json`` (creating it); returns its path.
+    ``rollout_service``: where the rollout side ran when it is a service (url, pid, host)."""
     from megatron_tg.config import to_yaml
 
     import yaml
@@ -91,6 +93,7 @@ def write_manifest(run_dir: str | os.PathLike, cfg, *, step: int,
         "config": yaml.safe_load(to_yaml(cfg)),
         "judge": judge if judge is not None else judge_identity(cfg, cfg.judge.rubric),
         "engines": engines or [],
+        **({"rollout_service": rollout_service} if rollout_service else {}),
     }
     doc = {"starts": []}
     if path.exists():

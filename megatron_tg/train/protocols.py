@@ -3,7 +3,9 @@
 The loop (:mod:`megatron_tg.train.loop`) holds a :class:`RolloutSource` on global rank 0 and
 nothing else of the rollout machinery: engines, client, manager, judge and their event loop
 stay behind it. :class:`megatron_tg.train.rollouts.RolloutSide` is the in-process
-implementation; a rollout service running in other processes implements the same methods.
+implementation; :class:`megatron_tg.train.service.client.RolloutServiceClient` implements the
+same methods over HTTP for a side running as its own process (``rollout.service``,
+docs/rollout-service.md).
 
 Weight sync is split by who does what. The trainer's ranks stream the weights (collective,
 :mod:`megatron_tg.train.weight_sync`); the rollout side says where they go

@@ -151,6 +151,11 @@ def routing_spec(cfg: TGConfig) -> dict[str, Any] | None:
                 top_k=arch.num_experts_per_tok, num_experts=arch.num_experts)
 
 
+async def _on_loop(fn):
+    """``fn()`` on the side's event loop (state the loop's tasks mutate is read there)."""
+    return fn()
+
+
 class RolloutSide:
     """Engines + client + manager + judge, driven from the trainer's main thread."""
 
@@ -250,6 +255,7 @@ class RolloutSide:
         metrics["rollout/gen_seconds"] = float(sum(g.gen_seconds for g in groups))
         metrics.update({f"manager/{k}": float(v) for k, v in self.manager.counters().items()
                         if isinstance(v, (int, float))})
+        metrics.update(self.call(_on_loop(self.manager.capacity_metrics)))
         return samples, metrics
 
     def probe_metrics(self, step: int) -> dict[str, float]:

@@ -45,6 +45,11 @@ class ScriptedCtx:
         out = self.turns[len(self.inputs) - 1]
         return TurnOutput(out, [-0.5] * len(out), 3, [3], "stop")
 
+    def tool_slot(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
 
 @pytest.mark.parametrize("new_format, answer, success", [
     (False, None, True), (True, None, True), (False, "The value is 12 or 13.", False)])

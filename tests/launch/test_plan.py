@@ -178,6 +178,38 @@ def test_tiny_cpu_path_has_no_gpu_requests():
     assert [s.role for s in plan.servers] == ["engine"]  # one embedded engine: no router
 
 
+def test_rollout_service_step_on_the_rollout_node_with_the_trainers_config():
+    from megatron_tg.config import load_config
+    from megatron_tg.train.service.wire import config_fingerprint
+
+    knobs = Knobs(engine="embedded", gpus_per_node=1, train_nodes=1, rollout_nodes=1, service=True)
+    plan = make_plan(TINY, ["rollout.engine=sglang", "rollout.group_size=4"], knobs)
+    (svc,) = [s for s in plan.servers if s.role == "rollout_service"]
+    step = plan.steps[svc.step]
+    assert svc.hosts == ["node2"] and svc.gpus == 0 and step.overlap and step.ntasks == 1
+    assert svc.port == knobs.port_base + P.PORT_OFFSETS["rollout_service"]
+    assert plan.service_url == svc.url and svc.url not in [s.url for s in plan.servers if s is not svc]
+    assert plan.train_args[-2:] == ["rollout.service=remote", f"rollout.service_url={svc.url}"]
+    assert plan.service_args[-1] == "rollout.service=in_process"
+    # both resolve the config the service checks at connect (placement keys aside)
+    trainer = load_config(plan.train_args[1], plan.train_args[2:])
+    service = load_config(plan.service_args[1], plan.service_args[2:])
+    assert config_fingerprint(trainer) == config_fingerprint(service)
+    assert (trainer.rollout.service, service.rollout.service) == ("remote", "in_process")
+    assert service.rollout.server_urls == trainer.rollout.server_urls == [plan.servers[0].url]
+    # without rollout nodes it shares the first trainer node; off unless asked or the recipe says so
+    one = make_plan(TINY, [], Knobs(service=True))
+    assert [s.hosts for s in one.servers] == [["node1"]] and one.service_url
+    assert not make_plan(TINY).service_url and not make_plan(TINY).service_args
+    assert make_plan(TINY, ["rollout.service=local"]).service_url
+    env = R.render_env(plan)
+    assert f"TG_SERVICE_URL={svc.url}" in env and "TG_SERVICE_ARGS=(--recipe" in env
+    assert f"rollout service: {svc.url} on node2" in R.render_text(plan)
+    # its admission bounds, from the config (max_inflight_rollouts 0 = buffer_size x group_size)
+    assert any("at most 16 rollouts in flight" in n and "4 finished groups" in n and
+               "node2's CPU count of tool calls" in n for n in plan.notes), plan.notes
+
+
 def test_gpus_per_node_change_keeps_the_recipes_gpu_count():
     plan = make_plan(R30, knobs=dataclasses.replace(JUDGE, gpus_per_node=4))
     assert len(plan.roles["train"]) == 4 and plan.layout["world_size"] == 16

@@ -129,7 +129,7 @@ def tiny_job(slurm_cluster, tmp_path):
                sbatch: tuple[str, ...] = ()) -> str:
         job_env = {
             **slurm_cluster.env, "PYTHON": py, "TRAINER_CMD": f"{py} {ROOT}/tests/slurm/fake_trainer.py",
-            "ENGINE_CMD": fake, "ROUTER_CMD": fake, "JUDGE_CMD": fake,
+            "ENGINE_CMD": fake, "ROUTER_CMD": fake, "JUDGE_CMD": fake, "SERVICE_CMD": fake,
             "JOB_DIR": str(tmp_path / "job"), "PORT_BASE": str(base),
             "HEALTH_POLL": "0.3", "TEARDOWN_GRACE": "5", "TRAIN_EXIT_WAIT": "10", "FAKE_STEP_S": "0.2",
             **(env or {}),

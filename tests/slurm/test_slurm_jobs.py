@@ -108,9 +108,13 @@ def test_tiny_job_runs_servers_then_trainer_then_tears_down(slurm_cluster, tiny_
     text = log(tmp_path)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
     assert "trainer finished all steps" in text
-    (port,) = servers(tmp_path)
-    engine = servers(tmp_path)[port]
+    recs = servers(tmp_path)
+    (port,) = [p for p, r in recs.items() if "--recipe" not in r["argv"]]
+    (svc_port,) = [p for p, r in recs.items() if "--recipe" in r["argv"]]
+    engine, service = recs[port], recs[svc_port]
     assert engine["node"] == "n2" and engine["model"] == "models/tiny-qwen3-moe"
+    # the rollout service: its own step on the rollout node, started before the trainer
+    assert service["node"] == "n2" and service["SLURM_STEP_ID"] != engine["SLURM_STEP_ID"]
     (rank0,) = launches(tmp_path)
     assert rank0["node"] == "n1" and rank0["SLURM_NTASKS"] == "1"
     assert rank0["MASTER_ADDR"] == "127.0.0.1" and rank0["MASTER_PORT"].isdigit()
@@ -118,7 +122,10 @@ def test_tiny_job_runs_servers_then_trainer_then_tears_down(slurm_cluster, tiny_
     assert f"rollout.server_urls=[{url}]" in rank0["argv"]
     assert rank0["healthy_servers"] == [url]  # the trainer started only once its server answered
     assert {"rollout.engine=sglang", "parallel.backend=gloo", "parallel.nodes=1"} <= set(rank0["argv"])
-    assert stopped(tmp_path) == {port}  # teardown reached the server
+    svc_url = f"http://127.0.0.1:{svc_port}"
+    assert {"rollout.service=remote", f"rollout.service_url={svc_url}"} <= set(rank0["argv"])
+    assert {"rollout.service=in_process", f"rollout.server_urls=[{url}]"} <= set(service["argv"])
+    assert stopped(tmp_path) == {port, svc_port}  # teardown reached both servers
     job_dir = tmp_path / "job"
     assert (job_dir / "logs" / "engine0.log").read_text().count("serving on") == 1
     assert "done at step 5" in (job_dir / "logs" / "step-tg-train.log").read_text()

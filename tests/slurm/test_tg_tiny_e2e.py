@@ -1,7 +1,8 @@
 """slurm/tg_tiny.sh end to end against the local Slurm controller, with nothing faked.
 
 The job runs what a lab runs on a GPU cluster, on CPU: the plan, an embedded CPU engine
-started as a server step (SGLang's HTTP API) on the rollout node, the real trainer
+started as a server step (SGLang's HTTP API) on the rollout node, the rollout service (the
+manager, agent harness and judge) as its own step there too, the real trainer
 (``python -m megatron_tg.train``, the script's default TRAINER_CMD) on the trainer node,
 generating through the engine and pushing its weights to it over gloo. Then the time-limit
 path: USR1 to the batch shell (what ``--signal=B:USR1@N`` does) once the first step is
@@ -67,7 +68,7 @@ def test_tiny_job_trains_requeues_on_usr1_and_resumes(slurm_cluster, tiny_job, t
         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.buffer_size=2",
         "rollout.max_new_tokens=48", "rollout.max_turns=2", "rollout.max_staleness=1",
         # Empty = the scripts' defaults: the real trainer and the embedded engine server.
-        env={"TRAINER_CMD": "", "ENGINE_CMD": "", "ROUTER_CMD": "", "JUDGE_CMD": "",
+        env={"TRAINER_CMD": "", "ENGINE_CMD": "", "ROUTER_CMD": "", "JUDGE_CMD": "", "SERVICE_CMD": "",
              "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
              "HEALTH_POLL": "0.5", "HEALTH_TIMEOUT": "180", "TEARDOWN_GRACE": "15"})
 
@@ -121,5 +122,14 @@ def test_tiny_job_trains_requeues_on_usr1_and_resumes(slurm_cluster, tiny_job, t
     assert engine_log.count("restart 0,") == 1 and engine_log.count("restart 1,") == 1, evidence
     assert engine_log.count("engine INFO serving") == 2, evidence
     assert {p.name for p in logs.glob("*.log")} >= {"engine0.log", "step-tg-train.log",
-                                                    "step-tg-engines-n2.log"}
+                                                    "step-tg-engines-n2.log", "rollout_service.log"}
+    # the rollout side ran as its own step on the rollout node, once per launch, and the
+    # trainer took every batch from it (the manifest names it)
+    service_log = (logs / "rollout_service.log").read_text()
+    assert service_log.count("[rollout service] pid") == 2, evidence
+    assert re.findall(r"rollout_service node rank 0 on (\S+),", service_log) == ["n2", "n2"], evidence
+    starts = json.loads((run_dir / "manifest.json").read_text())["starts"]
+    pids = [s["rollout_service"]["pid"] for s in starts]
+    assert len(starts) == 2 and pids[0] != pids[1], starts  # a fresh service per launch
+    assert all(r["service/next_batch_s"] >= 0 and "capacity/inflight_limit" in r for r in rows), rows
     print(f"tg_tiny end to end: {elapsed:.0f} s, stopped at step {stopped_at}")

@@ -137,3 +137,36 @@ def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
     assert starts[1]["changed_since_first"] == []  # same code, packages and config
     assert starts[0]["judge"]["rubric_sha256"] and starts[0]["engines"]
     assert all("version" in e and e["url"].startswith("http://") for e in starts[0]["engines"])
+
+
+@pytest.mark.slow
+def test_loop_with_the_rollout_side_as_its_own_process(policy_dir, tmp_path):
+    """rollout.service=local: rank 0 starts the service (which starts the engine), trains
+    from its batches, pushes weights straight to the engine, and stops it at exit."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}
+    res = subprocess.run(
+        [sys.executable, "-m", "megatron_tg.train", "--recipe", "recipes/tiny_cpu.yaml",
+         f"model.hf_config={policy_dir}", f"model.hf_checkpoint={policy_dir}",
+         f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir}/ckpt", "steps=2",
+         "checkpoint.interval=100", "rollout.prompts_per_step=2", "rollout.group_size=2",
+         "rollout.buffer_size=2", "rollout.max_new_tokens=48", "rollout.max_turns=2",
+         "rollout.max_staleness=1", "logging.progress_bar=false", "rollout.service=local"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    svc_log = run_dir / "rollout_service" / "service.log"
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + svc_log.read_text()[-3000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # batches came over the RPC; the engine serves the trainer's weights
+        assert r["service/next_batch_s"] >= 0 and r["capacity/inflight_limit"] == 4
+        assert r["sync/tensors"] > 0 and r["sync/probe_logprob_diff"] < 0.1
+        assert r["rollout/turns"] >= 1 and r["turn/gen_s"] > 0
+    start = json.loads((run_dir / "manifest.json").read_text())["starts"][0]
+    pid = start["rollout_service"]["pid"]
+    assert start["engines"] and "serving http://127.0.0.1:" in svc_log.read_text()
+    assert f"pid {pid} serving" in svc_log.read_text()
+    with pytest.raises(ProcessLookupError):  # stopped with the trainer
+        os.kill(pid, 0)
+    assert "done: step 2 of 2 (this rank: cpu" in res.stdout
