@@ -12,6 +12,10 @@ Definitions (the same for every run, whatever its method):
 * collapsed: the pass rate fell below half its start (the mean of the first 3 steps) at
   some step — the prototype's failure mode (``lines= N`` loops, task success 0.015);
   recovered: collapsed, yet the final pass rate is back to at least 0.9 x its start;
+* rolling: the mean over a window of 3 consecutive steps (``rolling_mean``); the stability
+  target compares TG's rolling pass rate with GRPO's on the same seed, step by step
+  (``rolling_gap``: the lowest difference). ``pass_rate_start`` / ``pass_rate_min`` are the
+  unsmoothed start (first 3 steps) and lowest step;
 * held-out (``evaluation.num_tasks`` episodes of the ``eval`` split, never trained on, at
   step 0 and the last step): the same criterion rate (``eval/demo/new_format``) and pass rate
   (``eval/criteria/answer``) on the current weights, with 95% Wilson intervals. Training-batch
@@ -62,6 +66,8 @@ def summarize_run(run_dir: str | Path, last: int) -> dict[str, Any]:
            "pass_rate_start": start,
            "pass_rate_min": min(passed)}
     for key, name in (("kl/mean_gated", "kl_gated"), ("entropy/all", "entropy"),
+                      ("kl/rescue_mass", "kl_rescue_mass"), ("kl/grad_norm_reverse", "kl_grad_norm_reverse"),
+                      ("kl/grad_norm_forward", "kl_grad_norm_forward"),
                       ("probe/new_format", "expert_probe_criterion_rate"),
                       ("probe/success", "expert_probe_pass_rate")):
         xs = series(rows, key)
@@ -74,6 +80,34 @@ def summarize_run(run_dir: str | Path, last: int) -> dict[str, Any]:
     times = series(rows, "time/step")
     out["seconds_per_step"] = statistics.fmean(times) if times else math.nan
     return out
+
+
+def rolling_mean(xs: Sequence[float], window: int = 3) -> list[float]:
+    """Means of every ``window`` consecutive values (len(xs) − window + 1 of them)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return [statistics.fmean(xs[i:i + window]) for i in range(len(xs) - window + 1)]
+
+
+def _pass_by_step(run_dir: str | Path) -> dict[int, float]:
+    return {int(r["step"]): float(r[PASS]) for r in read_metrics(run_dir)
+            if r.get("step", 0) >= 1 and isinstance(r.get(PASS), (int, float)) and r[PASS] == r[PASS]}
+
+
+def rolling_min(run_dir: str | Path, window: int = 3) -> float:
+    """The lowest ``window``-step rolling mean of a run's pass rate (NaN: too few steps)."""
+    xs = rolling_mean([v for _, v in sorted(_pass_by_step(run_dir).items())], window)
+    return min(xs) if xs else math.nan
+
+
+def rolling_gap(run_dir: str | Path, baseline_dir: str | Path, window: int = 3) -> float:
+    """min over steps of (run's rolling pass rate − baseline's), on the steps both logged;
+    NaN when they share fewer than ``window`` steps."""
+    a, b = _pass_by_step(run_dir), _pass_by_step(baseline_dir)
+    steps = sorted(set(a) & set(b))
+    diffs = [x - y for x, y in zip(rolling_mean([a[s] for s in steps], window),
+                                   rolling_mean([b[s] for s in steps], window))]
+    return min(diffs) if diffs else math.nan
 
 
 def held_out(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -124,12 +158,12 @@ def _probe(xs) -> str:
 def methods_table(methods: Mapping[str, Mapping[str, Any]], last: int) -> str:
     lines = [f"Final rates (mean ± std over the last {last} steps; base = SFT model before RL)",
              f"{'method':<8} {'new format (criterion)':>24} {'task (pass)':>16} {'base criterion':>15}"
-             f" {'steps to 0.8':>13} {'collapsed':>10}",]
+             f" {'steps to 0.8':>13} {'collapsed':>10} {'rolling3 pass min':>18}",]
     for name, m in methods.items():
         lines.append(f"{name:<8} {_pm(m['criterion_rate'], m['criterion_rate_std']):>24} "
                      f"{_pm(m['pass_rate'], m['pass_rate_std']):>16} "
                      f"{m['base_criterion_rate']:>15.3f} {str(m['steps_to_0.8']):>13} "
-                     f"{str(m['collapsed']):>10}")
+                     f"{str(m['collapsed']):>10} {m.get('rolling_pass_min', math.nan):>18.3f}")
     held = {k: m for k, m in methods.items() if "heldout_episodes" in m}
     if held:
         n = next(iter(held.values()))["heldout_episodes"]
@@ -153,14 +187,13 @@ def directions_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
     lines = ["KL direction / expert comparison (final rates: mean ± std across seeds; "
              "expert probe: the expert's own new-format rate with the hint, lowest per seed)",
              f"{'variant':<16} {'seeds':>5} {'new format':>16} {'task':>16} {'steps to 0.8':>18}"
-             f" {'collapsed':>9} {'recovered':>9} {'expert probe min':>17}"]
+             f" {'collapsed':>9} {'recovered':>9} {'expert probe min':>17} {'rolling3 pass min':>18}"]
     for name, v in variants.items():
         steps = ",".join("-" if s is None else str(s) for s in v["steps_to_0.8"])
-        name = name if "+" in name else f"{name}+shared"
         lines.append(f"{name:<16} {v['seeds']:>5} {_pm(v['criterion_rate'], v['criterion_rate_std']):>16} "
                      f"{_pm(v['pass_rate'], v['pass_rate_std']):>16} {steps:>18} "
                      f"{v['collapsed_runs']:>7}/{v['seeds']} {v['recovered_runs']:>7}/{v['seeds']} "
-                     f"{_probe(v['expert_probe_min']):>17}")
+                     f"{_probe(v['expert_probe_min']):>17} {_probe(v.get('rolling_pass_min', [])):>18}")
     return "\n".join(lines)
 
 

@@ -135,6 +135,73 @@ def test_quick_demo_end_to_end(quick_base, tmp_path):
     assert "Held-out (" in res.stdout
 
 
+def test_rolling_means_and_the_gap_to_the_baseline(tmp_path):
+    assert R.rolling_mean([1.0, 0.0, 0.5, 1.0], 3) == pytest.approx([0.5, 0.5])
+    assert R.rolling_mean([1.0, 0.5], 3) == []
+    with pytest.raises(ValueError, match="window"):
+        R.rolling_mean([1.0], 0)
+    _write_rows(tmp_path / "tg", [0.0] * 6, [0.9, 0.9, 0.3, 0.3, 0.9, 0.9])
+    _write_rows(tmp_path / "grpo", [0.0] * 5, [0.9, 1.0, 0.9, 1.0, 0.9])
+    assert R.rolling_min(tmp_path / "tg") == pytest.approx(0.5)
+    # tg (steps 1-5) 0.7, 0.5, 0.5 against grpo 0.933, 0.967, 0.933: lowest difference −0.467
+    assert R.rolling_gap(tmp_path / "tg", tmp_path / "grpo") == pytest.approx(0.5 - 2.9 / 3)
+    assert R.rolling_gap(tmp_path / "grpo", tmp_path / "grpo") == 0.0
+    s = R.summarize_run(tmp_path / "tg", last=2)
+    assert s["pass_rate_start"] == pytest.approx(0.7) and s["pass_rate_min"] == pytest.approx(0.3)
+
+
+def test_targets_can_fail():
+    from megatron_tg.demo import __main__ as D
+
+    good = {"criterion_rate": 0.9, "pass_rate": 0.95, "steps_to_0.8": 12}
+    bad = {"criterion_rate": 0.0, "pass_rate": 0.95, "steps_to_0.8": None}
+    t = D.targets({"grpo": bad, "tg": good}, wall=100.0, quick=True, rolling_gap=-0.05)
+    assert all(v["met"] for v in t.values()) and "wall_seconds_le_900" not in t
+    t = D.targets({"grpo": good, "tg": {**bad, "pass_rate": 0.5}}, wall=1000.0, quick=False,
+                  rolling_gap=-0.2)
+    assert not any(v["met"] for v in t.values())
+    assert t["tg_rolling3_pass_ge_grpo_minus_0.1"]["measured"] == -0.2
+
+
+def test_plans_make_a_fixed_grid_and_say_which_runs(tmp_path):
+    from megatron_tg.demo import __main__ as D
+
+    default = ("forward", "ema")
+    specs, variants = D.plan_runs(D.FULL, default)
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names)) == 3 + 6 * 3 - 1  # the tg row is forward+ema seed 0
+    assert set(variants) == {f"{d}+{e}" for d in D.DIRECTIONS for e in D.EXPERTS}
+    assert all(len(v) == 3 for v in variants.values()) and variants["forward+ema"][0] == "tg"
+    assert {(s.direction, s.expert) for s in specs if s.name.startswith("tg-")} == set(D.GRID)
+    specs, variants = D.plan_runs(D.DEFAULT, default)
+    assert [s.name for s in specs] == ["grpo", "opsd", "tg", "tg-reverse-ema-s0"]
+    assert variants == {"forward+ema": ["tg"], "reverse+ema": ["tg-reverse-ema-s0"]}
+    # seeded runs carry their seed into sampling, with no staleness
+    assert D.QUICK.seeded and D.QUICK.run_overrides(2) == ["rollout.sampling_seed=2",
+                                                           "rollout.max_staleness=0"]
+    assert D.DEFAULT.run_overrides(0) == []
+    with pytest.raises(ValueError, match="comparison variant"):
+        D.plan_runs(D.Plan(steps=3, seeds=(0,), last=1, variants=(("sideways", "ema"),),
+                           probe_every=0), default)
+    # the grid's summary, table and plot on tiny fake runs
+    out = tmp_path / "grid"
+    plan = D.Plan(steps=4, seeds=(0, 1, 2), last=2, variants=D.GRID, probe_every=0)
+    specs, variants = D.plan_runs(plan, default)
+    dirs = {}
+    for i, s in enumerate(specs):
+        dirs[s.name] = out / "runs" / s.name
+        _write_rows(dirs[s.name], [0.1 * (i % 5)] * 4, [1.0, 0.2 if i % 2 else 0.9, 0.9, 0.9])
+    comp = D.compare(dirs, variants, plan, out, default)
+    assert set(comp["variants"]) == set(variants) and "winner" not in comp
+    v = comp["variants"]["reverse+shared"]
+    assert v["seeds"] == 3 and len(v["rolling_pass_min"]) == 3
+    table = R.directions_table(comp["variants"])
+    assert all(name in table for name in variants) and "rolling3 pass min" in table
+    png = R.plot(tmp_path / "grid.png", {m: dirs[m] for m in D.METHODS},
+                 {k: [dirs[n] for n in names] for k, names in variants.items()})
+    assert png.stat().st_size > 10_000
+
+
 def test_finished_runs_are_reused_only_with_the_same_inputs(tmp_path):
     from megatron_tg.demo import __main__ as D
 
@@ -159,6 +226,7 @@ def test_main_rejects_bad_arguments(capsys):
     from megatron_tg.demo import __main__ as D
 
     for argv, msg in ((["--steps", "2"], "--steps must be at least 3"),
+                      (["--quick", "--full"], "not allowed with argument"),
                       (["--jobs", "0"], "--jobs must be at least 1"),
                       (["--recipe", "missing.yaml"], "no such file")):
         with pytest.raises(SystemExit) as exc:
