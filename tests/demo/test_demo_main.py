@@ -62,7 +62,26 @@ def test_demo_agent_episode_and_judge(new_format, answer, success):
     res = asyncio.run(Judge(T.rubric(), tok).judge_many([ro], task_infos={task.id: task}))[0]
     assert res.passed == {"answer": success, "search_lines": new_format}
     assert episode_rates([ro]) == {"demo/new_format": float(new_format), "demo/success": float(success),
-                                   "demo/both": float(new_format and success), "demo/search_calls": 1.0}
+                                   "demo/both": float(new_format and success), "demo/search_calls": 1.0,
+                                   "demo/malformed": 0.0, "demo/tool_error": 0.0,
+                                   "demo/no_answer": 0.0, "demo/turns": 2.0}
+
+
+def test_demo_agent_counts_malformed_calls_and_tool_errors():
+    tok = get_tiny_tokenizer()
+    task = T.make_task(0, 4)
+    ctx = ScriptedCtx(tok, task, new_format=True)
+    from megatron_tg.chat.framing import assistant_generation_text, encode
+
+    bad_lines = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "search", "arguments": {"query": task.key, "lines": "0"}}}]}
+    broken = encode(tok, "<tool_call>\n<function=search>\n<parameter=query>\nk1\n</tool_call><|im_end|>")
+    ctx.turns = [encode(tok, assistant_generation_text(tok, bad_lines)), broken, broken]
+    ro = asyncio.run(DemoAgent(tok, max_turns=3)(ctx))
+    assert ro.metadata["n_tool_errors"] >= 1 and ro.metadata["n_malformed_calls"] >= 1
+    rates = episode_rates([ro])
+    assert rates["demo/tool_error"] == rates["demo/malformed"] == rates["demo/no_answer"] == 1.0
+    assert rates["demo/success"] == 0.0 and rates["demo/turns"] == 3.0
 
 
 def test_demo_agent_refuses_a_foreign_task():
