@@ -115,15 +115,45 @@ def test_summaries_final_rates_threshold_and_collapse(tmp_path):
         R.summarize_run(tmp_path / "empty", last=2)
 
 
+QUICK_TARGETS_MET = ("grpo_criterion_rate_le_0.05", "tg_criterion_rate_ge_0.8",
+                     "tg_criterion_0.8_by_step_20", "tg_criterion_rate_above_grpo")
+"""The README's targets the seeded quick demo meets (measured: ``python -m megatron_tg.demo
+--quick``, seed 0). Its 3-step rolling task-success rule against GRPO (TG never more than 0.1
+below) is not met at this size (TG dips to 0.64 at steps 4-8 while its tool calls are
+malformed; README "Mid-run dip"): it is checked to be reported, not to be met."""
+
+
+def check_quick_summary(summary: dict, stdout: str) -> None:
+    """What the quick demo's output must show; shared by the end-to-end test and usable on
+    any ``--quick`` output directory."""
+    methods = summary["methods"]
+    assert summary["seeded"] is True and summary["runs"] == ["grpo", "opsd", "tg"]
+    g, t = methods["grpo"], methods["tg"]
+    # the README's targets, as numbers (not only as the printed verdicts)
+    assert g["criterion_rate"] <= 0.05
+    assert t["criterion_rate"] >= 0.8
+    assert t["steps_to_0.8"] is not None and t["steps_to_0.8"] <= 20
+    for name in QUICK_TARGETS_MET:
+        assert summary["targets"][name]["met"], (name, summary["targets"][name])
+        assert f"target {name:<42} met    (measured" in stdout, name
+    rolling = summary["targets"]["tg_rolling3_pass_ge_grpo_minus_0.1"]
+    assert rolling["measured"] == pytest.approx(summary["tg_rolling_gap"])
+    assert rolling["met"] == (summary["tg_rolling_gap"] >= -0.1)
+    for m in methods.values():
+        assert 0.0 <= m["pass_rate_min"] <= m["rolling_pass_min"] <= 1.0
+        assert 0.0 <= m["pass_rate_start"] <= 1.0
+
+
 @pytest.mark.slow
 def test_quick_demo_end_to_end(quick_base, tmp_path):
     base_dir, base = quick_base
     out = tmp_path / "demo"
     shutil.copytree(base_dir, out / "base")  # the shared quick build: reused by hash
     res = subprocess.run([sys.executable, "-m", "megatron_tg.demo", "--quick", "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=1200)
+                         cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "(cached)" in res.stdout
+    assert "3 RL runs of 25 steps, 2 at a time (seeded, no staleness): grpo, opsd, tg" in res.stdout
     summary = json.loads((out / "summary.json").read_text())
     methods = summary["methods"]
     assert set(methods) == {"grpo", "opsd", "tg"} and summary["steps"] == 25
@@ -132,16 +162,21 @@ def test_quick_demo_end_to_end(quick_base, tmp_path):
                     "base_criterion_rate"):
             assert 0.0 <= m[key] <= 1.0, (key, m)
         assert m["base_criterion_rate"] == base["new_format_no_hint"] <= 0.01
-    # The paper's direction: GRPO cannot reach a behaviour the policy never samples; TG can.
-    assert methods["grpo"]["criterion_rate"] <= 0.05
-    assert methods["tg"]["criterion_rate"] >= methods["grpo"]["criterion_rate"] + 0.25
+    check_quick_summary(summary, res.stdout)
     assert summary["wall_seconds"] > 0 and (out / "curves.png").stat().st_size > 10_000
-    assert "Final rates" in res.stdout and "target tg_criterion_rate_ge_0.8" in res.stdout
-    # the runs went through the real loop: converted checkpoint, engines, weight syncs
+    assert "Final rates" in res.stdout
+    # the runs went through the real loop, seeded: converted checkpoint, engines, weight syncs
     assert (out / "base_megatron" / "metadata.json").exists()
+    cfg = (out / "runs" / "tg" / "config.yaml").read_text()
+    assert "sampling_seed: 0" in cfg and "max_staleness: 0" in cfg
     rows = [json.loads(x) for x in (out / "runs" / "tg" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
     assert len(steps) == 25 and all(r["sync/tensors"] > 0 for r in steps)
+    assert all(r["rollout/staleness_max"] == 0 for r in steps)
+    # the KL diagnostics are logged wherever something was gated
+    gated = [r for r in steps if r.get("kl/frac_gated", 0) > 0]
+    assert gated and all(0.0 <= r["kl/rescue_mass"] <= 1.0 and r["kl/grad_norm_forward"] > 0
+                         for r in gated)
     # held-out evaluation: a step-0 row (the base policy) and the last step, never trained on
     evals = [r for r in rows if "eval/n" in r]
     assert [r["step"] for r in evals] == [0, 25] and rows[0]["step"] == 0
