@@ -179,7 +179,9 @@ class ObjectiveConfig:
     ``kl/rescue_mass`` (the expert's probability on tokens the student gives
     < ``kl_rescue_threshold``), ``kl/grad_norm_reverse`` and ``kl/grad_norm_forward``
     (‖∂KL/∂student logits‖₂ per token of each direction, whichever one the loss uses) and
-    ``kl/token_mean`` (the per-token divergence on gated tokens, over the whole step). Costs one
+    ``kl/token_mean`` (the per-token divergence on gated tokens, over the whole step); on the
+    gated rows where that mass is ≥ 0.5 ("rescue rows"), ``kl/rescue_grad_reverse_max`` and
+    ``kl/rescue_grad_forward_min``, and ``kl/rescue_mass_max``. Costs one
     extra all-reduce per logits chunk of the KL op; off by default."""
 
     kl_rescue_threshold: float = 1e-4

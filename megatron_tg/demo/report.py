@@ -200,27 +200,36 @@ def directions_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
 def plot(out: str | Path, method_runs: Mapping[str, str | Path],
          variant_runs: Mapping[str, Sequence[str | Path]] | None = None) -> Path:
     """Top row: the methods' criterion rate, pass rate and gated KL per step (the paper's
-    Figure 3); bottom row (if given): each KL-direction variant's seed-mean criterion and
-    pass rates, and the expert probe."""
+    Figure 3), and (with ``objective.kl_diagnostics``) both KL directions' logit-gradient norms
+    on the gated tokens; bottom row (if given): each KL-direction variant's seed-mean
+    criterion and pass rates, the expert probe and the rescue mass."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows_n = 2 if variant_runs else 1
-    fig, axes = plt.subplots(rows_n, 3, figsize=(13, 3.4 * rows_n), squeeze=False)
-    for name, d in method_runs.items():
+    fig, axes = plt.subplots(rows_n, 4, figsize=(17, 3.4 * rows_n), squeeze=False)
+
+    def line(ax, rows, key, **kw):
+        pts = [(r["step"], float(r[key])) for r in rows
+               if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
+
+    for i, (name, d) in enumerate(method_runs.items()):
         rows = read_metrics(d)
         for ax, key in zip(axes[0], (CRITERION, PASS, "kl/mean_gated")):
-            xs = [r["step"] for r in rows if key in r]
-            ax.plot(xs, series(rows, key), label=name)
+            line(ax, rows, key, label=name)
+        line(axes[0][3], rows, "kl/grad_norm_forward", color=f"C{i}", label=f"{name} forward")
+        line(axes[0][3], rows, "kl/grad_norm_reverse", color=f"C{i}", ls="--", label=f"{name} reverse")
     for ax, title in zip(axes[0], ("new tool format (criterion)", "task success (pass)",
-                                   "KL on gated tokens")):
+                                   "KL on gated tokens", "|dKL/d logits|, gated tokens")):
         ax.set_title(title, fontsize=10)
     if variant_runs:
         for name, dirs in variant_runs.items():
             runs = [read_metrics(d) for d in dirs]
-            for ax, key in zip(axes[1], (CRITERION, PASS, "probe/new_format")):
+            for ax, key in zip(axes[1], (CRITERION, PASS, "probe/new_format", "kl/rescue_mass")):
                 per = [series(r, key) for r in runs]
                 per = [p for p in per if p]
                 if not per:
@@ -229,7 +238,8 @@ def plot(out: str | Path, method_runs: Mapping[str, str | Path],
                 steps = [r["step"] for r in runs[0] if key in r][:n]
                 ax.plot(steps, [statistics.fmean(p[i] for p in per) for i in range(n)], label=name)
         for ax, title in zip(axes[1], ("new format, seed mean", "task success, seed mean",
-                                       "expert probe: new format with hint")):
+                                       "expert probe: new format with hint",
+                                       "rescue mass (expert on p_student < 1e-4)")):
             ax.set_title(title, fontsize=10)
     for ax in axes.flat:
         ax.set_xlabel("step")

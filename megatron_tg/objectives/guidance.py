@@ -100,6 +100,24 @@ def _step_token_mean(batch: PolicyBatch, gate_w: torch.Tensor):
     return lambda x: (x.detach() * gate_w).sum() * scale
 
 
+RESCUE_ROW = 0.5
+"""A gated row "needs rescue" when the expert puts at least this much mass on tokens the
+student gives < ``kl_rescue_threshold``."""
+
+
+def _rescue_extrema(diag: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """On the rows that need rescue: the largest reverse-KL and the smallest forward-KL
+    logit-gradient norm (extrema, so the trainer combines micro-batches by max / min), and
+    the largest rescue mass of the batch. Absent (rescue rows) / NaN-free by construction."""
+    mass = diag["rescue_mass"]
+    out = {"kl/rescue_mass_max": mass.max()}
+    rescue = mass >= RESCUE_ROW
+    if bool(rescue.any()):
+        out["kl/rescue_grad_reverse_max"] = diag["grad_norm_reverse"][rescue].max()
+        out["kl/rescue_grad_forward_min"] = diag["grad_norm_forward"][rescue].min()
+    return out
+
+
 def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist.ProcessGroup] = None,
                   *, reduce_hidden_grad: bool = True,
                   rows: Optional[dict[str, torch.Tensor]] = None
@@ -148,6 +166,7 @@ def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist
             step_mean = _step_token_mean(batch, gate_w)
             metrics["kl/token_mean"] = step_mean(kl)
             metrics.update({f"kl/{k}": step_mean(v) for k, v in diag.items()})
+            metrics.update(_rescue_extrema(diag))
         if rows is not None:
             rows["kl"] = kl.new_zeros(batch.num_rows).index_copy(0, gate_index, kl.detach())
     return term, metrics

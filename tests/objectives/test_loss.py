@@ -176,6 +176,15 @@ def test_kl_diagnostics_are_step_means_over_gated_tokens():
     assert want["kl/rescue_mass"] > 0.05
     for k, v in want.items():
         assert sums[k] == pytest.approx(float(v), rel=1e-9), k
+    # the rescue row (row 1 of the first micro-batch): its own two norms
+    out = TGObjective(cfg)(batches[0])
+    row = zs[0][1:2].clone().requires_grad_(True)
+    norms = {d: torch.autograd.grad(ref_kl(row, ze[0][1:2], d).sum(), row)[0].norm()
+             for d in ("reverse", "forward")}
+    mass = torch.where(row.softmax(-1) < 1e-4, ze[0][1:2].softmax(-1), 0.0).sum()
+    assert mass >= 0.5 and float(out.metrics["kl/rescue_mass_max"]) == pytest.approx(float(mass))
+    assert float(out.metrics["kl/rescue_grad_reverse_max"]) == pytest.approx(float(norms["reverse"]))
+    assert float(out.metrics["kl/rescue_grad_forward_min"]) == pytest.approx(float(norms["forward"]))
     # off by default: none of it is computed
     plain = TGObjective(ObjectiveConfig(mode="tg", kl_coef=0.5))(batches[0])
     assert not any(k in plain.metrics for k in want)
