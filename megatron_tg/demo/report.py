@@ -1,5 +1,11 @@
 """The demo's numbers: per-run summaries from ``metrics.jsonl``, the Table-1-like table, the plot.
 
+    python -m megatron_tg.demo.report RUN_DIR [RUN_DIR ...] [--baseline GRPO_RUN_DIR]
+
+prints each run's per-step diagnosis table (:data:`STEP_COLUMNS`: task and format rates,
+what went wrong, the KL and its diagnostics, entropy) and, with ``--baseline``, the stability
+summary against that run (lowest task rate, lowest 3-step rolling mean, the rolling gap).
+
 Definitions (the same for every run, whatever its method):
 
 * criterion rate: ``demo/new_format`` — the fraction of a step's training rollouts whose
@@ -251,3 +257,50 @@ def plot(out: str | Path, method_runs: Mapping[str, str | Path],
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+STEP_COLUMNS = (
+    ("task", PASS), ("new_fmt", CRITERION), ("fmt_crit", "criteria/search_lines"),
+    ("malformed", "demo/malformed"), ("tool_err", "demo/tool_error"), ("no_answer", "demo/no_answer"),
+    ("turns", "demo/turns"), ("gated", "kl/frac_gated"), ("kl_tok", "kl/token_mean"),
+    ("rescue", "kl/rescue_mass"), ("g_rev", "kl/grad_norm_reverse"), ("g_fwd", "kl/grad_norm_forward"),
+    ("entropy", "entropy/all"), ("reward", "reward/mean"), ("resp_tok", "rollout/response_tokens"))
+"""(header, metric) of the per-step table: ``-`` where a step did not log the metric (e.g.
+the KL columns on a step where nothing was gated)."""
+
+
+def step_table(run_dir: str | Path) -> str:
+    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) >= 1]
+    lines = [f"{'step':>4} " + " ".join(f"{h:>9}" for h, _ in STEP_COLUMNS)]
+    for r in rows:
+        cells = [f"{float(r[k]):>9.3f}" if isinstance(r.get(k), (int, float)) and r[k] == r[k]
+                 else f"{'-':>9}" for _, k in STEP_COLUMNS]
+        lines.append(f"{r['step']:>4} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def stability_line(run_dir: str | Path, baseline_dir: str | Path, window: int = 3) -> str:
+    passed = list(_pass_by_step(run_dir).values())
+    return (f"task min {min(passed):.3f}, rolling{window} min {rolling_min(run_dir, window):.3f}, "
+            f"rolling{window} gap to baseline {rolling_gap(run_dir, baseline_dir, window):+.3f}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m megatron_tg.demo.report",
+                                 description="Per-step diagnosis tables of demo runs.")
+    ap.add_argument("runs", nargs="+", help="run directories (holding metrics.jsonl)")
+    ap.add_argument("--baseline", help="a GRPO run of the same seed: print the stability summary")
+    a = ap.parse_args(argv)
+    for d in a.runs:
+        print(f"{d}")
+        print(step_table(d))
+        if a.baseline:
+            print(stability_line(d, a.baseline))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

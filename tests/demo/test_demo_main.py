@@ -204,6 +204,16 @@ def test_rolling_means_and_the_gap_to_the_baseline(tmp_path):
     assert s["pass_rate_start"] == pytest.approx(0.7) and s["pass_rate_min"] == pytest.approx(0.3)
 
 
+def test_step_table_and_stability_line(tmp_path, capsys):
+    _write_rows(tmp_path / "tg", [0.0, 0.5, 1.0], [0.9, 0.3, 0.9])
+    _write_rows(tmp_path / "grpo", [0.0] * 3, [0.9, 0.9, 0.9])
+    assert R.main([str(tmp_path / "tg"), "--baseline", str(tmp_path / "grpo")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:3] == ["step", "task", "new_fmt"]
+    assert out[3].split()[:3] == ["2", "0.300", "0.500"] and out[3].split()[4] == "-"
+    assert out[5] == "task min 0.300, rolling3 min 0.700, rolling3 gap to baseline -0.200"
+
+
 def test_targets_can_fail():
     from megatron_tg.demo import __main__ as D
 
