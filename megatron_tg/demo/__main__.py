@@ -1,7 +1,7 @@
 """The main job: the paper's didactic experiment (§5.1, Figures 1 and 3) at toy scale on CPU.
 
-    python -m megatron_tg.demo --out runs/demo            # default: 4 runs, ~15 min on 2 cores
-    python -m megatron_tg.demo --full --out runs/full     # + the KL direction x expert grid
+    python -m megatron_tg.demo --out runs/demo            # default: 4 RL runs
+    python -m megatron_tg.demo --full --out runs/full     # + the KL direction x expert grid (20)
     python -m megatron_tg.demo --quick --out runs/quick   # CI-sized, seeded: a few minutes
 
 1. base model: a tiny Qwen3-MoE SFT'd on the key-lookup task (:mod:`.base_model`): it solves
@@ -258,7 +258,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                       help="CI-sized and seeded: quick base, 25 steps, no comparison")
     size.add_argument("--full", action="store_true",
                       help="the whole comparison grid: reverse / forward / jsd x shared / ema, "
-                           "3 seeds each (about an hour and a half on 2 cores)")
+                           "3 seeds each (20 RL runs)")
     ap.add_argument("--steps", type=int, help="RL steps per run (default: 30; 25 with --quick)")
     ap.add_argument("--seeds", type=int, help="seeds per comparison variant (default: 1; 3 with --full)")
     ap.add_argument("--no-compare", action="store_true", help="skip the KL-direction comparison")
