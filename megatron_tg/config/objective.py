@@ -174,6 +174,19 @@ class ObjectiveConfig:
     logits_chunk_size: int = 1024
     """Tokens per chunk in the vocab-parallel ops: peak extra memory ≈ chunk × V/TP floats."""
 
+    kl_diagnostics: bool = False
+    """Log, per step, why the KL can or cannot move the student, on the gated tokens:
+    ``kl/rescue_mass`` (the expert's probability on tokens the student gives
+    < ``kl_rescue_threshold``), ``kl/grad_norm_reverse`` and ``kl/grad_norm_forward``
+    (‖∂KL/∂student logits‖₂ per token of each direction, whichever one the loss uses) and
+    ``kl/token_mean`` (the per-token divergence on gated tokens, over the whole step); on the
+    gated rows where that mass is ≥ 0.5 ("rescue rows"), ``kl/rescue_grad_reverse_max`` and
+    ``kl/rescue_grad_forward_min``, and ``kl/rescue_mass_max``. Costs one
+    extra all-reduce per logits chunk of the KL op; off by default."""
+
+    kl_rescue_threshold: float = 1e-4
+    """Student probability under which a token counts as unsampleable for ``kl/rescue_mass``."""
+
     entropy_guard: EntropyGuardConfig = field(default_factory=EntropyGuardConfig)
     """Optional λ back-off controller on entropy spikes (off by default)."""
 
@@ -202,6 +215,9 @@ class ObjectiveConfig:
             raise ConfigError(f"objective.adv_eps must be > 0, got {self.adv_eps}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"objective.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if not 0.0 < self.kl_rescue_threshold < 1.0:
+            raise ConfigError(f"objective.kl_rescue_threshold must be in (0, 1), got "
+                              f"{self.kl_rescue_threshold}")
         if self.logits_chunk_size < 1:
             raise ConfigError(f"objective.logits_chunk_size must be >= 1, got {self.logits_chunk_size}")
         for name, w in self.criterion_weights.items():

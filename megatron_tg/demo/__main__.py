@@ -1,7 +1,8 @@
 """The main job: the paper's didactic experiment (§5.1, Figures 1 and 3) at toy scale on CPU.
 
-    python -m megatron_tg.demo --out runs/demo            # full: ~15 min on 2 cores
-    python -m megatron_tg.demo --quick --out runs/quick   # CI-sized: a few minutes
+    python -m megatron_tg.demo --out runs/demo            # default: 4 RL runs
+    python -m megatron_tg.demo --full --out runs/full     # + the KL direction x expert grid (20)
+    python -m megatron_tg.demo --quick --out runs/quick   # CI-sized, seeded: a few minutes
 
 1. base model: a tiny Qwen3-MoE SFT'd on the key-lookup task (:mod:`.base_model`): it solves
    the task with the ``search`` tool, never uses the new ``lines=`` format unaided, and uses it
@@ -10,12 +11,18 @@
 2. RL from that base through the real TG loop (:mod:`.rl`: megatron-core trainer, embedded
    engine over SGLang's HTTP API, async rollout manager, judge, weight sync), criteria =
    task success (``answer``, primary) + new tool format (``search_lines``), three methods:
-   ``grpo``, ``opsd`` and ``tg`` (the recipe's default KL direction);
-3. the KL-direction comparison (full run): ``tg`` with each of ``reverse`` / ``forward`` /
-   ``jsd`` with the paper's shared expert over several seeds, then the ``ema`` expert for
-   the best direction, with the expert probe (the expert's own new-format rate, with the
-   hint) every few steps;
+   ``grpo``, ``opsd`` and ``tg`` (the recipe's default KL direction and expert);
+3. the KL-direction comparison, a fixed set of (direction, expert) variants (no winner is
+   picked from the data): by default forward vs reverse KL with the EMA expert on seed 0
+   (the ``tg`` run is the forward one); with ``--full`` the whole grid reverse / forward /
+   jsd x shared / ema over 3 seeds (``--seeds``); the expert probe (the expert's own
+   new-format rate, with the hint) every few steps;
 4. the table (like the paper's Table 1), ``OUT/summary.json`` and ``OUT/curves.png``.
+
+``--quick`` runs are seeded (``rollout.sampling_seed`` = the run's seed, ``max_staleness``
+0: generation waits for each step's weights), so they do not depend on timing; the default
+and full runs keep the recipe's one step of asynchrony (``--seeded`` turns seeding on).
+The command prints the runs it will make before making them.
 
 The command reports the issue's targets as measured and exits 0 whether they are met or not
 (a reproduction reports; it is not a test). Exit 1 means a run failed.
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -43,25 +51,40 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "demo_cpu.yaml"
 METHODS = ("grpo", "opsd", "tg")
 DIRECTIONS = ("reverse", "forward", "jsd")
+EXPERTS = ("shared", "ema")
+GRID = tuple((d, e) for d in DIRECTIONS for e in EXPERTS)
+"""The ``--full`` comparison: every KL direction with the paper's shared expert and the EMA one."""
+ROLLING = 3
+"""Window (steps) of the rolling task-success mean the stability target compares."""
 
 
 @dataclass(frozen=True)
 class Plan:
     steps: int
     seeds: tuple[int, ...]
+    """Seeds of each comparison variant (the method rows run seed 0)."""
     last: int
     """Final rates = mean over the last ``last`` steps."""
-    compare: bool
+    variants: tuple[tuple[str, str], ...]
+    """(KL direction, expert) pairs of the comparison, each run on every seed; () = none."""
     probe_every: int
     heldout: int = 0
     """Held-out episodes evaluated at step 0 and the last step of each method's run
     (``evaluation.num_tasks``; 0: none)."""
     base_overrides: dict[str, Any] = field(default_factory=dict)
+    seeded: bool = False
+    """Seed every run's sampling (``rollout.sampling_seed`` = its seed) and generate on the
+    current weights only (``rollout.max_staleness=0``): a run no longer depends on timing."""
+
+    def run_overrides(self, seed: int) -> list[str]:
+        return [f"rollout.sampling_seed={seed}", "rollout.max_staleness=0"] if self.seeded else []
 
 
-FULL = Plan(steps=30, seeds=(0, 1, 2), last=10, compare=True, probe_every=10, heldout=128)
-QUICK = Plan(steps=25, seeds=(0,), last=5, compare=False, probe_every=0, heldout=32,
-             base_overrides=dict(B.QUICK))
+DEFAULT = Plan(steps=30, seeds=(0,), last=10, variants=(("forward", "ema"), ("reverse", "ema")),
+               probe_every=10, heldout=128)
+FULL = Plan(steps=30, seeds=(0, 1, 2), last=10, variants=GRID, probe_every=10, heldout=128)
+QUICK = Plan(steps=25, seeds=(0,), last=5, variants=(), probe_every=0, heldout=32,
+             base_overrides=dict(B.QUICK), seeded=True)
 
 
 @dataclass(frozen=True)
@@ -123,7 +146,7 @@ def _env() -> dict[str, str]:
 def _identity(spec: RunSpec, plan: Plan, inputs: dict[str, str]) -> dict[str, Any]:
     """What makes a finished run reusable: its overrides, length, probe, base model build
     and recipe text. Anything else changed: the run is redone."""
-    return {"overrides": spec.overrides(), "steps": plan.steps,
+    return {"overrides": spec.overrides() + plan.run_overrides(spec.seed), "steps": plan.steps,
             "probe_every": plan.probe_every if spec.mode == "tg" else 0,
             "heldout": _heldout(spec, plan), **inputs}
 
@@ -162,7 +185,8 @@ def run_one(spec: RunSpec, out: Path, plan: Plan, py: str, recipe: Path,
             f"model.hf_config={base}", f"model.hf_checkpoint={base}",
             f"model.megatron_checkpoint={out / 'base_megatron'}",
             f"logging.run_dir={run_dir}", f"run_name=demo-{spec.name}", f"steps={plan.steps}",
-            f"evaluation.num_tasks={_heldout(spec, plan)}", *spec.overrides()]
+            f"evaluation.num_tasks={_heldout(spec, plan)}", *spec.overrides(),
+            *plan.run_overrides(spec.seed)]
     env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     t0 = time.perf_counter()
     with open(run_dir / "stdout.log", "w") as log:
@@ -193,13 +217,20 @@ def run_all(specs: Sequence[RunSpec], out: Path, plan: Plan, py: str, recipe: Pa
         return {name: f.result() for name, f in futs.items()}
 
 
-def targets(methods: dict[str, Any], wall: float, quick: bool) -> dict[str, Any]:
+def targets(methods: dict[str, Any], wall: float, quick: bool,
+            rolling_gap: float) -> dict[str, Any]:
+    """The issue's targets as measured. ``rolling_gap``: the lowest, over steps, of TG's
+    ``ROLLING``-step rolling task success minus GRPO's on the same seed (:func:`R.rolling_gap`)."""
     g, t = methods["grpo"], methods["tg"]
+    reached = t["steps_to_0.8"]
     checks = {
         "grpo_criterion_rate_le_0.05": (g["criterion_rate"], g["criterion_rate"] <= 0.05),
         "tg_criterion_rate_ge_0.8": (t["criterion_rate"], t["criterion_rate"] >= 0.8),
+        "tg_criterion_0.8_by_step_20": (math.inf if reached is None else reached,
+                                        reached is not None and reached <= 20),
         "tg_pass_rate_ge_grpo_minus_0.05": (t["pass_rate"] - g["pass_rate"],
                                             t["pass_rate"] >= g["pass_rate"] - 0.05),
+        f"tg_rolling{ROLLING}_pass_ge_grpo_minus_0.1": (rolling_gap, rolling_gap >= -0.1),
         "tg_criterion_rate_above_grpo": (t["criterion_rate"] - g["criterion_rate"],
                                          t["criterion_rate"] > g["criterion_rate"]),
     }
@@ -222,10 +253,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="runs/demo", help="output directory (reused: a finished run with the same settings, base model and "
                          "recipe is kept)")
-    ap.add_argument("--quick", action="store_true", help="CI-sized: quick base, fewer steps, no comparison")
-    ap.add_argument("--steps", type=int, help="RL steps per run (default: 30 full, 25 quick)")
-    ap.add_argument("--seeds", type=int, help="seeds per KL-direction variant (default 3)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="CI-sized and seeded: quick base, 25 steps, no comparison")
+    size.add_argument("--full", action="store_true",
+                      help="the whole comparison grid: reverse / forward / jsd x shared / ema, "
+                           "3 seeds each (20 RL runs)")
+    ap.add_argument("--steps", type=int, help="RL steps per run (default: 30; 25 with --quick)")
+    ap.add_argument("--seeds", type=int, help="seeds per comparison variant (default: 1; 3 with --full)")
     ap.add_argument("--no-compare", action="store_true", help="skip the KL-direction comparison")
+    ap.add_argument("--seeded", action="store_true",
+                    help="seed sampling and drop the asynchrony (always on with --quick)")
     ap.add_argument("--jobs", type=int, default=2, help="RL runs at a time (default 2: one per core)")
     ap.add_argument("--recipe", default=str(RECIPE), help="the RL recipe (default recipes/demo_cpu.yaml)")
 
@@ -252,14 +290,60 @@ def run(a: argparse.Namespace) -> int:
         return 1
 
 
-def _main(a: argparse.Namespace) -> int:
-    plan = QUICK if a.quick else FULL
+def choose_plan(a: argparse.Namespace) -> Plan:
+    plan = QUICK if a.quick else FULL if getattr(a, "full", False) else DEFAULT
+    over: dict[str, Any] = {}
     if a.steps is not None:
-        plan = Plan(**{**plan.__dict__, "steps": a.steps})
+        over["steps"] = a.steps
     if a.seeds is not None:
-        plan = Plan(**{**plan.__dict__, "seeds": tuple(range(a.seeds))})
+        over["seeds"] = tuple(range(a.seeds))
     if a.no_compare:
-        plan = Plan(**{**plan.__dict__, "compare": False})
+        over["variants"] = ()
+    if getattr(a, "seeded", False):
+        over["seeded"] = True
+    return Plan(**{**plan.__dict__, **over})
+
+
+def variant_name(direction: str, expert: str) -> str:
+    return f"{direction}+{expert}"
+
+
+def plan_runs(plan: Plan, default: tuple[str, str]) -> tuple[list[RunSpec], dict[str, list[str]]]:
+    """(every run to make, variant name -> its runs' names). The method rows run seed 0; seed 0
+    of the recipe's own (direction, expert) is the ``tg`` row, not a second run."""
+    specs = [RunSpec(m, m, 0) for m in METHODS]
+    variants: dict[str, list[str]] = {}
+    for direction, expert in plan.variants:
+        if direction not in DIRECTIONS or expert not in EXPERTS:
+            raise ValueError(f"comparison variant ({direction!r}, {expert!r}): direction must be "
+                             f"one of {DIRECTIONS}, expert one of {EXPERTS}")
+        names = []
+        for s in plan.seeds:
+            if (direction, expert) == default and s == 0:
+                names.append("tg")
+                continue
+            spec = RunSpec(f"tg-{direction}-{expert}-s{s}", "tg", s, direction, expert)
+            specs.append(spec)
+            names.append(spec.name)
+        variants[variant_name(direction, expert)] = names
+    return specs, variants
+
+
+def compare(dirs: dict[str, Path], variants: dict[str, list[str]], plan: Plan, out: Path,
+            default: tuple[str, str]) -> dict[str, Any]:
+    """The comparison's summary: per variant, the seed aggregate of its runs (no winner)."""
+    per = {v: {**R.aggregate([R.summarize_run(dirs[n], plan.last) for n in names]),
+               "rolling_pass_min": [R.rolling_min(dirs[n]) for n in names]}
+           for v, names in variants.items()}
+    return {"default": {"kl_direction": default[0], "expert": default[1]},
+            "variants_note": "direction+expert; every variant runs every seed (a fixed grid, "
+                             "no variant is chosen from the results)",
+            "seeds": list(plan.seeds), "variants": per,
+            "runs": {k: [str(dirs[n].relative_to(out)) for n in v] for k, v in variants.items()}}
+
+
+def _main(a: argparse.Namespace) -> int:
+    plan = choose_plan(a)
     out, recipe, py = Path(a.out).resolve(), Path(a.recipe).resolve(), sys.executable
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -273,54 +357,35 @@ def _main(a: argparse.Namespace) -> int:
     default = recipe_defaults(recipe)  # the headline tg run's (direction, expert)
     inputs = {"base_build": base["build_hash"],
               "recipe_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest()}
-
-    def variant(direction: str, expert: str) -> list[RunSpec]:
-        """One tg run per seed; seed 0 of the recipe's own setting is the headline run."""
-        return [RunSpec("tg" if ((direction, expert) == default and s == 0) else
-                        f"tg-{direction}-{expert}-s{s}", "tg", s, direction, expert) for s in plan.seeds]
-
-    specs = [RunSpec(m, m, 0) for m in METHODS]
-    variants: dict[str, list[str]] = {}
-    if plan.compare:  # first the directions with the paper's shared expert
-        for d in DIRECTIONS:
-            runs = variant(d, "shared")
-            variants[d] = [r.name for r in runs]
-            specs += [r for r in runs if r.name != "tg"]
-    _log(f"{len(specs)} RL runs of {plan.steps} steps, {a.jobs} at a time")
+    specs, variants = plan_runs(plan, default)
+    _log(f"{len(specs)} RL runs of {plan.steps} steps, {a.jobs} at a time"
+         f"{' (seeded, no staleness)' if plan.seeded else ''}: " + ", ".join(s.name for s in specs))
+    _log(f"tg = {variant_name(*default)} (the recipe's); comparison: "
+         + (", ".join(f"{v} x {len(n)} seed(s)" for v, n in variants.items()) or "none"))
     dirs = run_all(specs, out, plan, py, recipe, a.jobs, inputs)
-
-    comparison = None
-    if plan.compare:  # then the EMA expert for the best direction
-        per = {d: R.aggregate([R.summarize_run(dirs[n], plan.last) for n in names])
-               for d, names in variants.items()}
-        winner = max(DIRECTIONS, key=lambda d: (per[d]["criterion_rate"] + per[d]["pass_rate"]))
-        ema = variant(winner, "ema")
-        dirs.update(run_all([r for r in ema if r.name != "tg"], out, plan, py, recipe, a.jobs, inputs))
-        variants[f"{winner}+ema"] = [r.name for r in ema]
-        per[f"{winner}+ema"] = R.aggregate([R.summarize_run(dirs[r.name], plan.last) for r in ema])
-        comparison = {"default": {"kl_direction": default[0], "expert": default[1]},
-                      "winner": winner,
-                      "winner_rule": "highest mean final (criterion rate + pass rate) over seeds, "
-                                     "shared expert",
-                      "variants_note": "reverse / forward / jsd: shared expert (the paper's); "
-                                       "X+ema: the EMA expert",
-                      "seeds": list(plan.seeds), "variants": per,
-                      "runs": {k: [str(dirs[n].relative_to(out)) for n in v] for k, v in variants.items()}}
+    comparison = compare(dirs, variants, plan, out, default) if variants else None
 
     methods = {}
     for m in METHODS:
-        methods[m] = {**R.summarize_run(dirs[m], plan.last), "base_criterion_rate": base["new_format_no_hint"],
+        methods[m] = {**R.summarize_run(dirs[m], plan.last), "rolling_pass_min": R.rolling_min(dirs[m]),
+                      "base_criterion_rate": base["new_format_no_hint"],
                       "base_pass_rate": base["success_no_hint"], "run": str(dirs[m].relative_to(out))}
     methods["tg"]["kl_direction"], methods["tg"]["expert"] = default
+    gap = R.rolling_gap(dirs["tg"], dirs["grpo"], ROLLING)
     wall = time.perf_counter() - t_start
     summary: dict[str, Any] = {
         "methods": methods, "steps": plan.steps, "wall_seconds": round(wall, 1),
-        "last_steps_averaged": plan.last, "quick": a.quick,
-        "definitions": {"criterion_rate": R.CRITERION, "pass_rate": R.PASS},
+        "last_steps_averaged": plan.last, "quick": a.quick, "seeded": plan.seeded,
+        "runs": [s.name for s in specs],
+        "definitions": {"criterion_rate": R.CRITERION, "pass_rate": R.PASS,
+                        "rolling_pass_min": f"lowest {ROLLING}-step rolling mean of the pass rate",
+                        "tg_rolling_gap": f"lowest over steps of tg's {ROLLING}-step rolling pass "
+                                          "rate minus grpo's (same seed, same steps)"},
+        "tg_rolling_gap": gap,
         "base": {k: base.get(k) for k in ("n_params", "success_no_hint", "new_format_no_hint",
                                           "new_format_hint", "success_hint", "p_branch_no_hint_mean",
                                           "expert_kl_branch_mean", "expert_kl_off_branch_max")},
-        "targets": targets(methods, wall, a.quick),
+        "targets": targets(methods, wall, a.quick, gap),
     }
     if comparison is not None:
         summary["kl_directions"] = comparison
@@ -333,11 +398,10 @@ def _main(a: argparse.Namespace) -> int:
     if comparison is not None:
         print()
         print(R.directions_table(comparison["variants"]))
-        print(f"recipe default (the tg row): {default[0]} KL, {default[1]} expert; best direction "
-              f"with the shared expert: {comparison['winner']}")
+        print(f"recipe default (the tg row): {default[0]} KL, {default[1]} expert")
     print()
     for k, v in summary["targets"].items():
-        print(f"target {k:<36} {'met   ' if v['met'] else 'MISSED'} (measured {v['measured']:.3f})")
+        print(f"target {k:<42} {'met   ' if v['met'] else 'MISSED'} (measured {v['measured']:.3f})")
     print(f"\nwall {wall:.0f} s; summary {out / 'summary.json'}; plot {png}")
     return 0
 

@@ -43,6 +43,7 @@ class DemoAgent:
         b = RolloutBuilder(self.tok, task.prompt_messages(), task_id=task.id,
                            group_id=ctx.group_id, rollout_id=ctx.rollout_id)
         finish = "max_turns"
+        tool_errors = 0  # calls the tool answered with an error (bad lines=, unknown tool, ...)
         for k in range(self.max_turns):
             room = self.max_context_tokens - len(b.token_ids)
             if room <= 0:
@@ -60,8 +61,11 @@ class DemoAgent:
             if k + 1 == self.max_turns:
                 break  # no next turn would see the tool results
             async with ctx.tool_slot():  # in-process tools, but timed like sandboxed ones
-                results = [T.run_tool_call(task, c) for c in calls]
-            b.add_messages([{"role": "tool", "content": r} for r in results])
+                responses = [T.run_tool_call(task, c) for c in calls]
+            tool_errors += sum(r.startswith("Error:") for r in responses)
+            b.add_messages([{"role": "tool", "content": r} for r in responses])
         verdicts = T.episode_metrics(task, b.parsed, finish)
-        metadata: dict[str, Any] = {**task.info(), "hint": None, **verdicts}
+        metadata: dict[str, Any] = {**task.info(), "hint": None, **verdicts,
+                                    "n_malformed_calls": sum(len(t.errors) for t in b.parsed),
+                                    "n_tool_errors": tool_errors, "finish_reason": finish}
         return b.build(finish, metadata=metadata)

@@ -13,7 +13,10 @@ launches one such process per method and seed.
 Per step, besides the trainer's metrics, ``demo/*`` are the episode verdicts over every
 rollout of the batch: ``demo/new_format`` (every search call used ``lines=``, at least one
 call: the criterion the table reports), ``demo/success`` (the task), ``demo/both``,
-``demo/search_calls``.
+``demo/search_calls``, and what goes wrong when the task fails: ``demo/malformed`` (rollouts
+with a tool call that does not parse), ``demo/tool_error`` (a call the tool answered with an
+error, e.g. a bad ``lines=``), ``demo/no_answer`` (the episode ended without a final answer
+turn: cut off or out of turns), ``demo/turns`` (assistant turns per rollout).
 With ``evaluation.num_tasks=N`` the held-out evaluation (:mod:`megatron_tg.eval`) rolls out N
 tasks of the ``eval`` split at step 0, every ``evaluation.every`` steps and the last step:
 ``eval/criteria/*`` (the judge's, with intervals) and ``eval/demo/*`` (the episode verdicts).
@@ -51,7 +54,11 @@ def episode_rates(rollouts: Sequence[Rollout]) -> dict[str, float]:
     return {"demo/new_format": sum(bool(m.get("new_format")) for m in md) / n,
             "demo/success": sum(bool(m.get("success")) for m in md) / n,
             "demo/both": sum(bool(m.get("success")) and bool(m.get("new_format")) for m in md) / n,
-            "demo/search_calls": sum(int(m.get("n_search_calls", 0)) for m in md) / n}
+            "demo/search_calls": sum(int(m.get("n_search_calls", 0)) for m in md) / n,
+            "demo/malformed": sum(int(m.get("n_malformed_calls", 0)) > 0 for m in md) / n,
+            "demo/tool_error": sum(int(m.get("n_tool_errors", 0)) > 0 for m in md) / n,
+            "demo/no_answer": sum(m.get("finish_reason", "stop") != "stop" for m in md) / n,
+            "demo/turns": sum(int(m.get("n_turns", 0)) for m in md) / n}
 
 
 class ExpertProbe:

@@ -88,6 +88,36 @@ def kl_token_weights(batch: PolicyBatch, cfg: ObjectiveConfig, gate_index: torch
     return gate[gate_index] / denom.clamp(min=1e-12) / rollouts
 
 
+def _step_token_mean(batch: PolicyBatch, gate_w: torch.Tensor):
+    """x [G] -> a micro-batch value whose rollout-weighted mean over the step's micro-batches
+    (the trainer's aggregation: Σ_mb v·R_mb / R_step) is the mean of x over the step's gated
+    tokens. Without step totals: the mean over this batch's gated rows."""
+    local_r = batch.advantages.shape[0]
+    if batch.num_gated_tokens is not None and batch.num_rollouts is not None and local_r > 0:
+        scale = float(batch.num_rollouts) / local_r / max(float(batch.num_gated_tokens), 1e-12)
+    else:
+        scale = 1.0 / max(float(gate_w.sum()), 1e-12)
+    return lambda x: (x.detach() * gate_w).sum() * scale
+
+
+RESCUE_ROW = 0.5
+"""A gated row "needs rescue" when the expert puts at least this much mass on tokens the
+student gives < ``kl_rescue_threshold``."""
+
+
+def _rescue_extrema(diag: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """On the rows that need rescue: the largest reverse-KL and the smallest forward-KL
+    logit-gradient norm (extrema, so the trainer combines micro-batches by max / min), and
+    the largest rescue mass of the batch. Absent (rescue rows) / NaN-free by construction."""
+    mass = diag["rescue_mass"]
+    out = {"kl/rescue_mass_max": mass.max()}
+    rescue = mass >= RESCUE_ROW
+    if bool(rescue.any()):
+        out["kl/rescue_grad_reverse_max"] = diag["grad_norm_reverse"][rescue].max()
+        out["kl/rescue_grad_forward_min"] = diag["grad_norm_forward"][rescue].min()
+    return out
+
+
 def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist.ProcessGroup] = None,
                   *, reduce_hidden_grad: bool = True,
                   rows: Optional[dict[str, torch.Tensor]] = None
@@ -108,8 +138,10 @@ def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist
         return None, metrics
 
     weights = kl_token_weights(batch, cfg, gate_index, dtype)
+    diag: Optional[dict[str, torch.Tensor]] = {} if cfg.kl_diagnostics else None
     kw = dict(vocab_size=batch.vocab_size, direction=cfg.kl_direction, beta=cfg.jsd_beta,
-              chunk_size=cfg.logits_chunk_size)
+              chunk_size=cfg.logits_chunk_size, diagnostics=diag,
+              rescue_threshold=cfg.kl_rescue_threshold)
     if batch.logits is not None:
         if batch.expert_logits is None or batch.expert_logits.shape[0] != g:
             raise ValueError(f"expert_logits must hold the {g} gated rows, got "
@@ -130,6 +162,11 @@ def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist
     with torch.no_grad():
         gate_w = gate[gate_index]
         metrics["kl/mean_gated"] = (kl * gate_w).sum() / gate_w.sum().clamp(min=1e-12)
+        if diag is not None:
+            step_mean = _step_token_mean(batch, gate_w)
+            metrics["kl/token_mean"] = step_mean(kl)
+            metrics.update({f"kl/{k}": step_mean(v) for k, v in diag.items()})
+            metrics.update(_rescue_extrema(diag))
         if rows is not None:
             rows["kl"] = kl.new_zeros(batch.num_rows).index_copy(0, gate_index, kl.detach())
     return term, metrics

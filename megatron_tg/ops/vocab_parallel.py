@@ -7,7 +7,8 @@ padding and get probability exactly 0 whatever they contain. ``group=None`` = no
 logits are the whole vocabulary; no ``torch.distributed`` needed).
 
 The vocabulary is never gathered: each chunk of tokens costs one all-reduce(MAX) of the row
-maxima and one all-reduce(SUM) of [rows, ≤3] partial sums (the JSD needs a second SUM).
+maxima and one all-reduce(SUM) of [rows, ≤3] partial sums (the JSD needs a second SUM; the
+KL ops' optional ``diagnostics`` one more).
 Backward passes issue no collective (the fused ones: one all-reduce of grad_hidden, see
 :func:`fused_vocab_parallel_kl`). Results are per token, in ≥ fp32, shaped like the leading
 dims of the input; they are the same on every rank of the group.
@@ -25,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_tg.ops._chunked import ChunkedLinear, ChunkedLinearLoss, ChunkedLogits
-from megatron_tg.ops._kernels import EntropyKernel, LogProbKernel, kl_kernel
+from megatron_tg.ops._kernels import (RESCUE_THRESHOLD, DiagnosticKL, EntropyKernel, Kernel,
+                                      LogProbKernel, kl_kernel)
 from megatron_tg.ops._shard import VocabShard
 
 DEFAULT_CHUNK_SIZE = 1024
@@ -41,6 +43,17 @@ def _check_chunk(chunk_size: int) -> int:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return int(chunk_size)
+
+
+def _kl_kernel(direction: str, beta: float, diagnostics: Optional[dict],
+               rescue_threshold: float) -> Kernel:
+    kernel = kl_kernel(direction, beta)
+    return kernel if diagnostics is None else DiagnosticKL(kernel, rescue_threshold)
+
+
+def _fill_diagnostics(diagnostics: Optional[dict], kernel: Kernel, lead: torch.Size) -> None:
+    if diagnostics is not None:
+        diagnostics.update({k: v.reshape(lead) for k, v in kernel.result().items()})
 
 
 def _check_pair(student: torch.Tensor, expert: torch.Tensor, what: str) -> None:
@@ -80,7 +93,8 @@ def vocab_parallel_entropy(logits: torch.Tensor, group: Group = None, *,
 def vocab_parallel_kl(student_logits: torch.Tensor, expert_logits: torch.Tensor,
                       group: Group = None, *, vocab_size: Optional[int] = None,
                       direction: str = "reverse", beta: float = 0.5,
-                      chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+                      chunk_size: int = DEFAULT_CHUNK_SIZE, diagnostics: Optional[dict] = None,
+                      rescue_threshold: float = RESCUE_THRESHOLD) -> torch.Tensor:
     """Full-vocabulary divergence per token between student and (stop-gradient) expert.
 
     ``direction``:
@@ -91,11 +105,19 @@ def vocab_parallel_kl(student_logits: torch.Tensor, expert_logits: torch.Tensor,
         β = 1 are dispatched to exactly forward / reverse KL (not to the vanishing limit).
 
     Only ``student_logits`` receives a gradient; ``expert_logits`` is detached here.
+
+    ``diagnostics``: a dict to receive, per token and detached, ``rescue_mass`` (the expert's
+    probability on tokens the student gives < ``rescue_threshold``), ``grad_norm_reverse``
+    and ``grad_norm_forward`` (‖∂KL/∂z_student‖₂ of each KL direction, whatever ``direction``
+    the value is); costs one extra all-reduce per chunk (:class:`~._kernels.DiagnosticKL`).
+    None (default): nothing extra is computed.
     """
     _check_pair(student_logits, expert_logits, "logits")
     shard = VocabShard.build(student_logits.shape[-1], group, vocab_size)
-    out = ChunkedLogits.apply(kl_kernel(direction, beta), shard, _check_chunk(chunk_size),
+    kernel = _kl_kernel(direction, beta, diagnostics, rescue_threshold)
+    out = ChunkedLogits.apply(kernel, shard, _check_chunk(chunk_size),
                               _rows(student_logits), _rows(expert_logits.detach()), None)
+    _fill_diagnostics(diagnostics, kernel, student_logits.shape[:-1])
     return out.reshape(student_logits.shape[:-1])
 
 
@@ -149,12 +171,14 @@ def fused_vocab_parallel_kl(student_hidden: torch.Tensor, expert_hidden: torch.T
                             vocab_size: Optional[int] = None, direction: str = "reverse",
                             beta: float = 0.5, chunk_size: int = DEFAULT_CHUNK_SIZE,
                             expert_weight_shard: Optional[torch.Tensor] = None,
-                            reduce_hidden_grad: bool = True) -> torch.Tensor:
+                            reduce_hidden_grad: bool = True, diagnostics: Optional[dict] = None,
+                            rescue_threshold: float = RESCUE_THRESHOLD) -> torch.Tensor:
     """:func:`vocab_parallel_kl` from hidden states ``[..., H]``, never materialising [T, Vs].
 
     The expert's logits are ``expert_hidden @ expert_weight_shardᵀ`` (default: the student's
     ``weight_shard``, the paper's shared-weight expert); both are stop-gradient. Grads flow
-    to ``student_hidden`` and ``weight_shard`` only.
+    to ``student_hidden`` and ``weight_shard`` only. ``diagnostics``: as in
+    :func:`vocab_parallel_kl`.
     """
     _check_pair(student_hidden, expert_hidden, "hidden")
     expert_w = weight_shard if expert_weight_shard is None else expert_weight_shard
@@ -162,9 +186,11 @@ def fused_vocab_parallel_kl(student_hidden: torch.Tensor, expert_hidden: torch.T
         raise ValueError(f"expert_weight_shard shape {tuple(expert_w.shape)} != "
                          f"weight_shard {tuple(weight_shard.shape)}")
     shard = VocabShard.build(weight_shard.shape[0], group, vocab_size)
-    out = ChunkedLinear.apply(kl_kernel(direction, beta), shard, _check_chunk(chunk_size),
+    kernel = _kl_kernel(direction, beta, diagnostics, rescue_threshold)
+    out = ChunkedLinear.apply(kernel, shard, _check_chunk(chunk_size),
                               reduce_hidden_grad, _rows(student_hidden), weight_shard,
                               _rows(expert_hidden.detach()), expert_w.detach(), None)
+    _fill_diagnostics(diagnostics, kernel, student_hidden.shape[:-1])
     return out.reshape(student_hidden.shape[:-1])
 
 
@@ -174,7 +200,9 @@ def fused_vocab_parallel_kl_loss(student_hidden: torch.Tensor, expert_hidden: to
                                  direction: str = "reverse", beta: float = 0.5,
                                  chunk_size: int = DEFAULT_CHUNK_SIZE,
                                  expert_weight_shard: Optional[torch.Tensor] = None,
-                                 reduce_hidden_grad: bool = True
+                                 reduce_hidden_grad: bool = True,
+                                 diagnostics: Optional[dict] = None,
+                                 rescue_threshold: float = RESCUE_THRESHOLD
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Σ_t token_weights_t · D_t, D.detach())`` for per-token weights known before the call.
 
@@ -182,7 +210,7 @@ def fused_vocab_parallel_kl_loss(student_hidden: torch.Tensor, expert_hidden: to
     weighted sum is accumulated during forward while each chunk's logits are live, so backward
     does not recompute them (4 output-layer matmuls per chunk instead of 6). ``token_weights``
     is treated as a constant (no gradient). When the model is not in a grad-requiring context
-    no gradient work is done.
+    no gradient work is done. ``diagnostics``: as in :func:`vocab_parallel_kl`.
     """
     _check_pair(student_hidden, expert_hidden, "hidden")
     rows = _rows(student_hidden)
@@ -194,10 +222,12 @@ def fused_vocab_parallel_kl_loss(student_hidden: torch.Tensor, expert_hidden: to
         raise ValueError(f"expert_weight_shard shape {tuple(expert_w.shape)} != "
                          f"weight_shard {tuple(weight_shard.shape)}")
     shard = VocabShard.build(weight_shard.shape[0], group, vocab_size)
+    kernel = _kl_kernel(direction, beta, diagnostics, rescue_threshold)
     loss, values = ChunkedLinearLoss.apply(
-        kl_kernel(direction, beta), shard, _check_chunk(chunk_size), reduce_hidden_grad, rows,
+        kernel, shard, _check_chunk(chunk_size), reduce_hidden_grad, rows,
         weight_shard, _rows(expert_hidden.detach()), expert_w.detach(),
         token_weights.detach().reshape(-1), torch.is_grad_enabled())
+    _fill_diagnostics(diagnostics, kernel, student_hidden.shape[:-1])
     return loss, values.reshape(student_hidden.shape[:-1])
 
 

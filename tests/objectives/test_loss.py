@@ -141,3 +141,50 @@ def test_sequence_first_row_selection():
     rows = flat_positions(mask)
     assert rows.tolist() == [1 * b + 2, 3 * b + 0]
     torch.testing.assert_close(select_rows(x, rows), torch.stack([x[1, 2], x[3, 0]]))
+
+
+def test_kl_diagnostics_are_step_means_over_gated_tokens():
+    """``kl_diagnostics``: per-step means over the gated tokens of the rescue mass, both
+    directions' logit-gradient norms and the KL, against plain torch (softmax + autograd),
+    with the step split into two micro-batches aggregated the way the trainer does."""
+    cfg = ObjectiveConfig(mode="tg", kl_coef=0.5, kl_direction="forward", kl_diagnostics=True,
+                          logits_chunk_size=2)
+    gen = torch.Generator().manual_seed(4)
+    parts = [dict(lengths=[4, 6], failed=[[1, 2], [0, 5]]), dict(lengths=[3], failed=[[0, 1, 2]])]
+    zs = [torch.randn(sum(p["lengths"]), 7, generator=gen, dtype=torch.float64) * 3 for p in parts]
+    ze = [torch.randn(sum(p["lengths"]), 7, generator=gen, dtype=torch.float64) * 3 for p in parts]
+    zs[0][1, 3] = -15.0  # a token the student cannot sample ...
+    ze[0][1, 3] = 9.0    # ... that the expert wants: nonzero rescue mass
+    batches = [rollout_batch(logits=z, expert_logits_full=e, cfg=cfg, **p) for p, z, e in zip(parts, zs, ze)]
+    n_rollouts, n_gated = 3, sum(float(b.gate.sum()) for b in batches)
+    sums: dict[str, float] = {}
+    for b in batches:  # the trainer: Σ_mb value · rollouts_mb / rollouts_step
+        b = dataclasses.replace(b, num_rollouts=n_rollouts, num_gated_tokens=n_gated)
+        out = TGObjective(cfg)(b)
+        for k, v in out.metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v) * b.advantages.shape[0] / n_rollouts
+    s = torch.cat([z[b.gate_index] for z, b in zip(zs, batches)])
+    e = torch.cat([z[b.gate_index] for z, b in zip(ze, batches)])
+    assert s.shape[0] == n_gated == 7
+    ps, pe = s.softmax(-1), e.softmax(-1)
+    want = {"kl/rescue_mass": torch.where(ps < 1e-4, pe, 0.0).sum(-1).mean(),
+            "kl/token_mean": ref_kl(s, e, "forward").mean()}
+    for direction in ("reverse", "forward"):
+        z = s.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(ref_kl(z, e, direction).sum(), z)
+        want[f"kl/grad_norm_{direction}"] = g.norm(dim=-1).mean()
+    assert want["kl/rescue_mass"] > 0.05
+    for k, v in want.items():
+        assert sums[k] == pytest.approx(float(v), rel=1e-9), k
+    # the rescue row (row 1 of the first micro-batch): its own two norms
+    out = TGObjective(cfg)(batches[0])
+    row = zs[0][1:2].clone().requires_grad_(True)
+    norms = {d: torch.autograd.grad(ref_kl(row, ze[0][1:2], d).sum(), row)[0].norm()
+             for d in ("reverse", "forward")}
+    mass = torch.where(row.softmax(-1) < 1e-4, ze[0][1:2].softmax(-1), 0.0).sum()
+    assert mass >= 0.5 and float(out.metrics["kl/rescue_mass_max"]) == pytest.approx(float(mass))
+    assert float(out.metrics["kl/rescue_grad_reverse_max"]) == pytest.approx(float(norms["reverse"]))
+    assert float(out.metrics["kl/rescue_grad_forward_min"]) == pytest.approx(float(norms["forward"]))
+    # off by default: none of it is computed
+    plain = TGObjective(ObjectiveConfig(mode="tg", kl_coef=0.5))(batches[0])
+    assert not any(k in plain.metrics for k in want)

@@ -58,9 +58,11 @@ def _compare(rank, world, cfg, fused: bool) -> float:
 def objective_world(rank, world):
     losses = []
     for direction in ("reverse", "forward", "jsd"):
-        cfg = ObjectiveConfig(mode="tg", kl_coef=0.5, kl_direction=direction, logits_chunk_size=3)
+        cfg = ObjectiveConfig(mode="tg", kl_coef=0.5, kl_direction=direction, logits_chunk_size=3,
+                              kl_diagnostics=True)
         losses.append(_compare(rank, world, cfg, fused=False))
-    losses.append(_compare(rank, world, ObjectiveConfig(mode="always_on", kl_coef=2.0), fused=True))
+    losses.append(_compare(rank, world, ObjectiveConfig(mode="always_on", kl_coef=2.0,
+                                                        kl_diagnostics=True), fused=True))
     return losses
 
 
