@@ -1,7 +1,10 @@
-"""Optimizers: megatron's distributed optimizer on GPU, AdamW over DDP grad buffers on CPU.
+"""Optimizers: megatron-core's (distributed or not) and a plain AdamW over DDP grad buffers.
 
-megatron-core's optimizers (``get_megatron_optimizer``) allocate CUDA tensors for their
-fp32 master copies, overflow flags and grad-norm reductions, so on CPU the trainer uses
+:class:`MegatronOptimizer` is ``get_megatron_optimizer``: with
+``parallel.use_distributed_optimizer`` megatron's ``DistributedOptimizer`` (ZeRO-1 over DDP's
+grad buffers, the GPU recipes' choice), which also runs on CPU under gloo through the
+optimizer patches of :mod:`megatron_tg.parallel.cpu_patches` (8, 9), so the tests run the
+optimizer the GPU recipes use. Without it, on CPU, the trainer uses
 :class:`CPUAdamW`: ``torch.optim.AdamW`` over the parameters, reading megatron DDP's
 ``main_grad`` buffers (already averaged over DP by ``finalize_model_grads``), with the same
 global-norm clipping rule megatron applies:
@@ -15,9 +18,12 @@ weights would lose any update smaller than half their spacing (at lr 3e-6, nearl
 Both optimizers expose their fp32 main parameters as :class:`~megatron_tg.train.ema.MainShard`
 ranges (``main_shards``), which the EMA expert averages.
 
-Its checkpoint is sharded like the parameters it belongs to (megatron's
+CPUAdamW's checkpoint is sharded like the parameters it belongs to (megatron's
 ``optim_state_to_sharding_state``), so it reshards on load exactly like the model; the fp32
-masters are saved with it (``master_param``), so a resumed bf16 run loses nothing.
+masters are saved with it (``master_param``), so a resumed bf16 run loses nothing. The
+distributed optimizer saves in megatron's ``dp_reshardable`` format (what the checkpointer
+asks for: :data:`megatron_tg.train.checkpoint.OPTIMIZER_METADATA`): its grad-buffer shards as
+they are, resumable at another data-parallel size (not at another TP/PP layout).
 """
 
 from __future__ import annotations
@@ -146,7 +152,10 @@ class CPUAdamW:
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict) -> dict[str, Any]:
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """Sharded like the model's parameters; ``is_loading``/``metadata`` are megatron's
+        optimizer arguments, which this format does not need."""
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
             optim_state_to_sharding_state,
@@ -181,7 +190,7 @@ class CPUAdamW:
 
 
 class MegatronOptimizer:
-    """megatron-core's optimizer (distributed when ``use_distributed_optimizer``); GPU path.
+    """megatron-core's optimizer (distributed when ``use_distributed_optimizer``).
 
     It owns the fp32 master weights, reads DDP's grad buffers, clips with the same rule as
     :func:`global_grad_norm`, and shards its own checkpoint. Exposes the same small surface
@@ -245,13 +254,22 @@ class MegatronOptimizer:
         return out
 
     def step(self) -> dict[str, float]:
+        """megatron's step: clip to ``grad_clip`` by the global norm, update; returns megatron's
+        grad norm (pre-clip), the number the loop logs."""
         ok, norm, _ = self.opt.step()
         self.num_steps += int(bool(ok))
         return {"grad_norm": float(norm if norm is not None else float("nan")),
                 "skipped": 0.0 if ok else 1.0}
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict) -> dict[str, Any]:
-        state = self.opt.sharded_state_dict(model_sharded_state_dict)
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """megatron's sharded optimizer state. The distributed optimizer's format is chosen by
+        ``metadata["distrib_optim_sharding_type"]``: megatron-core 0.16.1 defaults to
+        ``fully_sharded_model_space``, whose save raises ``ShardedTensor.flattened_range is not
+        supported``, so the checkpointer passes ``dp_reshardable``. ``is_loading`` lets megatron
+        allocate the Adam state it is about to load into."""
+        state = self.opt.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                            metadata=metadata)
         state["num_steps"] = self.num_steps
         return state
 
@@ -262,9 +280,16 @@ class MegatronOptimizer:
 
 def build_optimizer(model: torch.nn.Module, cfg, *, distributed: bool = False,
                     bf16: bool = False):
-    """AdamW for ``model`` from an ``OptimizerConfig``: megatron's on GPU, :class:`CPUAdamW`
-    on CPU (megatron's allocates CUDA tensors)."""
-    if torch.cuda.is_available():
+    """AdamW for ``model`` (megatron DDP, built with the same ``use_distributed_optimizer``)
+    from an ``OptimizerConfig``: megatron's on GPU and, on either device, megatron's
+    distributed optimizer when ``distributed``; :class:`CPUAdamW` on CPU otherwise."""
+    ddp_distributed = getattr(getattr(model, "ddp_config", None), "use_distributed_optimizer",
+                              distributed)
+    if ddp_distributed != distributed:
+        raise ValueError(f"the optimizer's use_distributed_optimizer={distributed} differs from "
+                         f"the DistributedDataParallel model's ({ddp_distributed}): megatron's "
+                         f"distributed optimizer needs DDP's sharded grad buffers")
+    if distributed or torch.cuda.is_available():
         return MegatronOptimizer(model, cfg, distributed=distributed, bf16=bf16)
     return CPUAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                     betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.eps, grad_clip=cfg.grad_clip)
