@@ -268,14 +268,56 @@ class MegatronOptimizer:
         ``fully_sharded_model_space``, whose save raises ``ShardedTensor.flattened_range is not
         supported``, so the checkpointer passes ``dp_reshardable``. ``is_loading`` lets megatron
         allocate the Adam state it is about to load into."""
+        if is_loading:
+            self._materialise_torch_adam_state()
         state = self.opt.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
                                             metadata=metadata)
         state["num_steps"] = self.num_steps
         return state
 
+    def _materialise_torch_adam_state(self) -> None:
+        """Give a fresh distributed optimizer's inner ``torch.optim.AdamW`` its state.
+
+        Without Transformer Engine or apex (the CPU), megatron's optimizer is torch's AdamW,
+        and ``DistributedOptimizer.state_dict`` reads the step counter from its per-parameter
+        state, which does not exist before the first step: loading a checkpoint into a new
+        optimizer would fail on ``assert len(steps) == 1``. megatron's own initialiser (a zero
+        gradient step) creates it; the load then overwrites the main parameters, moments and
+        step. TE's FusedAdam keeps its step in the param groups and needs none of this."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+            if (isinstance(opt, DistributedOptimizer)
+                    and isinstance(opt.optimizer, torch.optim.AdamW) and not opt.optimizer.state):
+                opt._init_optimizer_states_with_dummy_values()
+
+    @torch.no_grad()  # fp32 parameters' main shards are views of them: an in-place copy
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_steps = int(state.pop("num_steps"))
         self.opt.load_state_dict(state)
+        self._restore_torch_adam_steps()
+
+    def _restore_torch_adam_steps(self) -> None:
+        """Per-parameter step counters of the inner ``torch.optim.AdamW`` after a load.
+
+        megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` (torch-AdamW branch)
+        gives every parameter one shared step tensor, and the ``dp_reshardable`` load then
+        copies the pre-load local step (a non-persistent entry) into it: measured, 41
+        parameters resumed from a step-2 checkpoint shared one counter reading 1.0, so Adam's
+        bias correction was wrong and every step advanced it once per parameter. The step
+        the checkpoint saved is in the loaded param groups (megatron writes it there);
+        each parameter gets its own counter with that value."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+            if not (isinstance(opt, DistributedOptimizer)
+                    and isinstance(opt.optimizer, torch.optim.AdamW)):
+                continue
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    st = opt.optimizer.state.get(p)
+                    if st and "step" in group:
+                        st["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
 def build_optimizer(model: torch.nn.Module, cfg, *, distributed: bool = False,

@@ -6,10 +6,16 @@ on both ranks (the parameter all-gather ran). Its grad norm, the number the loop
 norm of the DP-averaged gradient computed here from the gradients themselves, and with Adam's
 epsilon large enough for the first step to be linear in the gradient, the update equals the
 closed-form clipped step (and not the unclipped one).
+
+Its sharded state, saved by the trainer's checkpointer in megatron's ``dp_reshardable``
+format, resumes at another DP size: saved at DP 2 after step 2, resumed at DP 1 for step 3
+(saved again), resumed at DP 2 for step 4; each resumed step's weights equal the
+uninterrupted DP 2 run's.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -153,3 +159,87 @@ def test_grad_norm_and_clipping_are_megatron_s(steps):
     unclipped = _max_diff(run["after"], adam_first_step(1.0))
     print(f"closed-form clipped Adam step: max diff {clipped:.3e} (unclipped: {unclipped:.3e})")
     assert clipped < 1e-7 and unclipped > 1e-5
+
+
+def _resume_fn(rank, world, state, hf_cfg, samples, tok_dir, ckpt_root, first, last, save_at):
+    """Steps ``first+1 .. last`` with the distributed optimizer at DP = world (TP = 1); with
+    ``first`` > 0 the model and optimizer come from the checkpoint of step ``first`` (the
+    model built with other weights, so only the checkpoint can supply them). Saves after
+    step ``save_at``. Returns per step: the DP-mean loss and the weights after it."""
+    import torch.distributed as dist
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig, finalize_model_grads)
+    from transformers import AutoTokenizer
+
+    from megatron_tg.config.objective import ObjectiveConfig
+    from megatron_tg.config.train import OptimizerConfig
+    from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
+    from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
+    from megatron_tg.objectives import TGObjective
+    from megatron_tg.parallel.dims import Axis
+    from megatron_tg.parallel.state import init_parallel
+    from megatron_tg.train.batching import build_micro_batch
+    from megatron_tg.train.checkpoint import Checkpointer
+    from megatron_tg.train.optim import build_optimizer
+    from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    ctx = init_parallel(tp=1, seed=7)
+    dp, dp_rank = ctx.dims.dp, ctx.rank_in(Axis.DP)
+    arch = Qwen3Arch.from_hf(hf_cfg)
+    model = build_model(arch, tp=1)
+    if first == 0:
+        load_hf_weights(model, state, arch, current_layout())
+    ddp = DistributedDataParallel(config=model.config, module=model,
+                                  ddp_config=DistributedDataParallelConfig(
+                                      grad_reduce_in_fp32=True, use_distributed_optimizer=True))
+    opt = build_optimizer(ddp, OptimizerConfig(lr=1e-3, grad_clip=1.0), distributed=True)
+    obj_cfg = ObjectiveConfig(mode="tg", kl_coef=0.5)
+    objective = TGObjective(obj_cfg, group=ctx.group(Axis.TP),
+                            reduce_hidden_grad=ops_reduce_hidden_grad(ddp))
+    ckpt = Checkpointer(ckpt_root, keep_last=2)
+    if first:
+        assert ckpt.load(ckpt.latest(), ddp, opt)["step"] == first
+        assert opt.num_steps == first
+    row = 2 * max(len(s.rollout.token_ids) for s in samples)
+    out = []
+    for step in range(first, last):
+        # Advantages vary by step, so each step's gradient differs.
+        batch = [s.__class__(s.rollout, s.advantage * (1 + 0.5 * step), s.feedback_by_turn)
+                 for s in samples]
+        mb = build_micro_batch(batch[dp_rank::dp], tok, obj_cfg, row_tokens=row)
+        opt.zero_grad()
+        loss = micro_batch_loss(ddp, objective, mb, vocab_size=arch.vocab_size).loss
+        loss.backward()
+        finalize_model_grads([ddp])
+        assert opt.step()["skipped"] == 0.0
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        out.append(dict(loss=mean / dp,
+                        weights={n: p.detach().clone() for n, p in model.named_parameters()}))
+        if step + 1 == save_at:
+            ckpt.save(save_at, ddp, opt, {})
+    return out
+
+
+def test_sharded_state_resumes_at_another_dp_size(tmp_path):
+    tok, cfg, state = tiny_policy()
+    samples = make_samples(tok, cfg, state)
+    root = str(tmp_path / "ckpt")
+    args = (state, cfg, samples, tok.name_or_path, root)
+    whole = run_distributed(_resume_fn, 2, *args, 0, 4, 2)[0]  # uninterrupted DP 2, saves at 2
+    fmt = json.loads((tmp_path / "ckpt" / "step_00000002" / "dist" / "metadata.json").read_text())
+    assert fmt["sharded_backend"] == "torch_dist"
+    dp1 = run_distributed(_resume_fn, 1, *args, 2, 3, 3)[0]  # DP 2 -> DP 1: step 3, save
+    dp2 = run_distributed(_resume_fn, 2, *args, 3, 4, 0)[0]  # DP 1 -> DP 2: step 4
+    # The weights the checkpoint restored, then the step that used the restored Adam state.
+    diff3 = _max_diff(dp1[0]["weights"], whole[2]["weights"])
+    diff4 = _max_diff(dp2[0]["weights"], whole[3]["weights"])
+    moved = _max_diff(whole[3]["weights"], whole[2]["weights"])
+    print(f"resumed DP2->DP1 step 3: max |dw| = {diff3:.3e}; DP1->DP2 step 4: {diff4:.3e} "
+          f"(the step itself moves weights by up to {moved:.3e}); losses "
+          f"{float(dp1[0]['loss']):.7f}/{float(whole[2]['loss']):.7f}, "
+          f"{float(dp2[0]['loss']):.7f}/{float(whole[3]['loss']):.7f}")
+    torch.testing.assert_close(dp1[0]["loss"], whole[2]["loss"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dp2[0]["loss"], whole[3]["loss"], atol=1e-6, rtol=1e-5)
+    assert moved > 1e-4 and diff3 < 1e-6 and diff4 < 1e-6
