@@ -233,11 +233,19 @@ class MegatronOptimizer:
         out: list[MainShard] = []
         for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
             if isinstance(opt, DistributedOptimizer):
-                for p in opt.model_param_group_index_map:
-                    r = opt._get_model_param_range_map(p)["param"]
-                    main = opt._get_main_param_and_optimizer_states(p)["param"]
-                    out.append(MainShard(param=p, main=main.view(-1), start=r.start,
-                                         group=opt.data_parallel_group))
+                # Every parameter of its grad buffers, in the buffers' order (the same on every
+                # rank, so the EMA's per-parameter gathers pair up); a parameter wholly owned
+                # by other ranks has an empty range here.
+                for buf in opt.buffers:
+                    for p in buf.params:
+                        if p in opt.model_param_group_index_map:
+                            r = opt._get_model_param_range_map(p)["param"]
+                            main = opt._get_main_param_and_optimizer_states(p)["param"].view(-1)
+                            start = r.start
+                        else:
+                            main, start = torch.empty(0, device=p.device), 0
+                        out.append(MainShard(param=p, main=main, start=start,
+                                             group=opt.data_parallel_group))
                 continue
             if hasattr(opt, "float16_groups"):  # Float16OptimizerWithFloat16Params
                 pairs = list(zip(opt.float16_groups, opt.fp32_from_float16_groups))
@@ -287,8 +295,11 @@ class MegatronOptimizer:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+            # Not "state is empty": reading a main parameter (main_shards) leaves empty
+            # per-parameter entries in torch's state defaultdict.
             if (isinstance(opt, DistributedOptimizer)
-                    and isinstance(opt.optimizer, torch.optim.AdamW) and not opt.optimizer.state):
+                    and isinstance(opt.optimizer, torch.optim.AdamW)
+                    and not any("step" in st for st in opt.optimizer.state.values())):
                 opt._init_optimizer_states_with_dummy_values()
 
     @torch.no_grad()  # fp32 parameters' main shards are views of them: an in-place copy

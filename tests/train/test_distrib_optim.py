@@ -11,6 +11,10 @@ Its sharded state, saved by the trainer's checkpointer in megatron's ``dp_reshar
 format, resumes at another DP size: saved at DP 2 after step 2, resumed at DP 1 for step 3
 (saved again), resumed at DP 2 for step 4; each resumed step's weights equal the
 uninterrupted DP 2 run's.
+
+The trainer with ``parallel.use_distributed_optimizer=true`` on the CPU default recipe (DP 2,
+EMA expert): the loop's ``optim/grad_norm`` is megatron's and the step is the default path's;
+the EMA follows the distributed optimizer's main shards; a save resumes both exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from megatron_tg.testing.distributed import run_distributed
 from tests.train.common import make_samples, tiny_policy
+from tests.train.test_trainer import checkpoint  # noqa: F401  (the fixture)
 
 # (name, optimizer kind, params dtype, OptimizerConfig fields)
 RUNS = [("dist", "distributed", "float32", dict(lr=1e-3, grad_clip=1.0)),
@@ -243,3 +248,57 @@ def test_sharded_state_resumes_at_another_dp_size(tmp_path):
     torch.testing.assert_close(dp1[0]["loss"], whole[2]["loss"], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(dp2[0]["loss"], whole[3]["loss"], atol=1e-6, rtol=1e-5)
     assert moved > 1e-4 and diff3 < 1e-6 and diff4 < 1e-6
+
+
+def _trainer_fn(rank, world, overrides, samples):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_tg.config import load_config
+    from megatron_tg.train.trainer import Trainer
+
+    cfg = load_config("recipes/tiny_cpu.yaml", overrides)
+    trainer = Trainer(cfg)
+    inner = getattr(trainer.optimizer, "opt", None)
+    kinds = sorted({type(o).__name__ for o in getattr(inner, "chained_optimizers", [inner])})
+    flat = lambda m: torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()])  # noqa: E731
+    before = flat(trainer.gpt), flat(trainer.expert_model)
+    dp = trainer.ctx.dims.dp
+    metrics = trainer.train_step(samples[rank % dp::dp])
+    after = flat(trainer.gpt), flat(trainer.expert_model)
+    trainer.save({})
+    again = Trainer(cfg)  # the base weights again, then the checkpoint
+    again.resume()
+    return dict(kinds=kinds, metrics=metrics, before=before, after=after,
+                resumed=(flat(again.gpt), flat(again.expert_model)),
+                sharded_main=DistributedOptimizer.__name__ in kinds
+                and sum(s.main.numel() for s in trainer.ema.shards))
+
+
+def test_trainer_uses_megatron_s_distributed_optimizer(checkpoint, tmp_path):  # noqa: F811
+    d, tok, cfg, state = checkpoint
+    samples = make_samples(tok, cfg, state)
+    decay = 0.9
+    base = [f"model.hf_config={d}", f"model.hf_checkpoint={d}", "model.seq_length=1024",
+            "rollout.max_context_tokens=1024", "optimizer.lr=1e-3", "objective.kl_coef=0.5",
+            "optimizer.micro_batch_tokens=4096", "objective.expert=ema",
+            f"objective.ema_decay={decay}", f"logging.run_dir={tmp_path}/run"]
+    dist = run_distributed(_trainer_fn, 2, base + ["parallel.use_distributed_optimizer=true",
+                                                   f"checkpoint.dir={tmp_path}/dist"], samples)
+    ref = run_distributed(_trainer_fn, 2, base + [f"checkpoint.dir={tmp_path}/ref"], samples)
+    out, r = dist[0], ref[0]
+    assert out["kinds"] == ["DistributedOptimizer"] and r["kinds"] == ["AdamW"]
+    norm, ref_norm = out["metrics"]["optim/grad_norm"], r["metrics"]["optim/grad_norm"]
+    assert norm == pytest.approx(ref_norm, rel=1e-6) and norm > 1.0  # clipped at 1.0
+    assert out["metrics"]["loss"] == r["metrics"]["loss"]
+    p0, e0 = out["before"]
+    p1, e1 = out["after"]
+    diff = (p1 - r["after"][0]).abs().max().item()
+    print(f"trainer at DP 2: distributed vs AdamW max |dw| = {diff:.3e}, grad norm "
+          f"{norm:.9f} vs {ref_norm:.9f}")
+    assert diff <= 1e-6 and (p1 - p0).abs().max() > 1e-4
+    # Each DP rank averages its half of the main parameters; the expert gets the whole EMA.
+    assert 0 < out["sharded_main"] < p0.numel()
+    assert out["sharded_main"] + dist[1]["sharded_main"] == p0.numel()
+    torch.testing.assert_close(e1, decay * e0 + (1 - decay) * p1, atol=1e-7, rtol=1e-6)
+    for rank_out in dist:
+        assert torch.equal(rank_out["resumed"][0], p1) and torch.equal(rank_out["resumed"][1], e1)
