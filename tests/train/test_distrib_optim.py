@@ -1,6 +1,6 @@
 """megatron's DistributedOptimizer (the GPU recipes' optimizer) on CPU under gloo.
 
-At DP 2, one TG step through megatron DDP's sharded grad buffers and the distributed
+At DP 2 (fp32 and bf16, and with EP 2), one TG step through megatron DDP's sharded grad buffers and the distributed
 optimizer gives the weights of the CPU AdamW path (:class:`CPUAdamW`) at the same settings,
 on both ranks (the parameter all-gather ran). Its grad norm, the number the loop logs, is the
 norm of the DP-averaged gradient computed here from the gradients themselves, and with Adam's
@@ -29,18 +29,23 @@ from megatron_tg.testing.distributed import run_distributed
 from tests.train.common import make_samples, tiny_policy
 from tests.train.test_trainer import checkpoint  # noqa: F401  (the fixture)
 
-# (name, optimizer kind, params dtype, OptimizerConfig fields)
-RUNS = [("dist", "distributed", "float32", dict(lr=1e-3, grad_clip=1.0)),
-        ("adamw", "cpu_adamw", "float32", dict(lr=1e-3, grad_clip=1.0)),
-        ("dist_bf16", "distributed", "bfloat16", dict(lr=1e-3, grad_clip=1.0)),
-        ("adamw_bf16", "cpu_adamw", "bfloat16", dict(lr=1e-3, grad_clip=1.0)),
+# (name, optimizer kind, params dtype, expert-parallel size, OptimizerConfig fields)
+RUNS = [("dist", "distributed", "float32", 1, dict(lr=1e-3, grad_clip=1.0)),
+        ("adamw", "cpu_adamw", "float32", 1, dict(lr=1e-3, grad_clip=1.0)),
+        ("dist_bf16", "distributed", "bfloat16", 1, dict(lr=1e-3, grad_clip=1.0)),
+        ("adamw_bf16", "cpu_adamw", "bfloat16", 1, dict(lr=1e-3, grad_clip=1.0)),
+        # EP 2 over the same 2 ranks: dense weights sharded over DP 2, experts over expert-DP 1
+        # (two DistributedOptimizers), the norm summed over the expert-parallel ranks.
+        ("dist_ep2", "distributed", "float32", 2, dict(lr=1e-3, grad_clip=1.0)),
+        ("adamw_ep2", "cpu_adamw", "float32", 2, dict(lr=1e-3, grad_clip=1.0)),
         # eps >> |g|: Adam's first step is lr * g / (|g| + eps), linear in the (clipped) g.
-        ("dist_linear", "distributed", "float32", dict(lr=1e-3, grad_clip=1.0, eps=1e-2))]
+        ("dist_linear", "distributed", "float32", 1,
+         dict(lr=1e-3, grad_clip=1.0, eps=1e-2))]
 
 
 def _one_step_fn(rank, world, state, hf_cfg, samples, tok_dir, runs):
-    """For each run: build the tiny policy, one TG micro-batch per DP rank, one optimizer
-    step. Returns the weights before/after, the DP-averaged gradients and the step's metrics."""
+    """For each run: build the tiny policy (TP 1, the run's EP), one TG micro-batch per DP
+    rank, one optimizer step. Returns the weights before/after, the DP-averaged gradients and the step's metrics."""
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig, finalize_model_grads)
     from transformers import AutoTokenizer
@@ -61,12 +66,12 @@ def _one_step_fn(rank, world, state, hf_cfg, samples, tok_dir, runs):
     obj_cfg = ObjectiveConfig(mode="tg", kl_coef=0.5)
     row = 2 * max(len(s.rollout.token_ids) for s in samples)
     out = {}
-    for name, kind, dtype, opt_fields in runs:
-        ctx = init_parallel(tp=1, seed=3)
+    for name, kind, dtype, ep, opt_fields in runs:
+        ctx = init_parallel(tp=1, ep=ep, etp=1, seed=3)
         dp, dp_rank = ctx.dims.dp, ctx.rank_in(Axis.DP)
         distributed = kind == "distributed"
         params_dtype = getattr(torch, dtype)
-        model = build_model(arch, tp=1, params_dtype=params_dtype)
+        model = build_model(arch, tp=1, ep=ep, etp=1, params_dtype=params_dtype)
         load_hf_weights(model, state, arch, current_layout())
         ddp = DistributedDataParallel(config=model.config, module=model,
                                       ddp_config=DistributedDataParallelConfig(
@@ -94,22 +99,27 @@ def _one_step_fn(rank, world, state, hf_cfg, samples, tok_dir, runs):
         metrics = opt.step()
         after = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         out[name] = dict(before=before, after=after, grads=grads, metrics=metrics,
-                         optimizer=type(opt.opt).__name__)
+                         optimizer=type(opt.opt).__name__,
+                         parts=len(getattr(opt.opt, "chained_optimizers", [])))
     return out
 
 
 def _own_range_summed(opt, param, grad):
     """``grad`` with every element outside this rank's distributed-optimizer range zeroed and
-    the result summed over the ranks (here: the DP group, TP = EP = 1): each element from the
-    one rank that owns it. A rank owning none of ``param`` adds zeros."""
+    the result summed over the ranks that shard ``param`` (TP = 1: the DP group, or for an
+    expert the expert-DP group): each element from the one rank that owns it. A rank owning
+    none of ``param`` adds zeros."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as mps
 
     flat = torch.zeros_like(grad).view(-1)
     for o in opt.opt.chained_optimizers:
         if param in o.model_param_group_index_map:
             r = o._get_model_param_range_map(param)["param"]
             flat[r.start:r.end] = grad.view(-1)[r.start:r.end]
-    dist.all_reduce(flat)
+    expert = not getattr(param, "allreduce", True)
+    dist.all_reduce(flat, group=mps.get_expert_data_parallel_group() if expert
+                    else mps.get_data_parallel_group())
     return flat.view_as(grad)
 
 
@@ -130,22 +140,36 @@ def _norm(grads: dict) -> float:
 
 
 def test_one_step_equals_the_adamw_path_at_dp2(steps):
-    for dist_run, ref_run in (("dist", "adamw"), ("dist_bf16", "adamw_bf16")):
+    for dist_run, ref_run in (("dist", "adamw"), ("dist_bf16", "adamw_bf16"),
+                              ("dist_ep2", "adamw_ep2")):
         d0, d1 = steps[0][dist_run], steps[1][dist_run]
-        assert d0["optimizer"] == "ChainedOptimizer"  # dense + expert DistributedOptimizers
-        # The parameter all-gather ran: both ranks hold the same, updated weights.
-        assert _max_diff(d0["after"], d1["after"]) == 0.0
+        assert d0["optimizer"] == "ChainedOptimizer"
+        if dist_run != "dist_ep2":
+            # The parameter all-gather ran: both ranks hold the same, updated weights.
+            assert _max_diff(d0["after"], d1["after"]) == 0.0
+        else:  # each rank holds its own experts; the dense weights are gathered
+            dense = [n for n in d0["after"] if "experts" not in n]
+            assert len(dense) < len(d0["after"])
+            assert max((d0["after"][n] - d1["after"][n]).abs().max() for n in dense) == 0.0
         assert _max_diff(d0["after"], d0["before"]) > 1e-4
+        diff = 0.0
+        for rank in (0, 1):
+            d, ref = steps[rank][dist_run], steps[rank][ref_run]
+            assert _max_diff(d["before"], ref["before"]) == 0.0
+            assert _max_diff(d["grads"], ref["grads"]) == 0.0, (dist_run, rank)
+            diff = max(diff, _max_diff(d["after"], ref["after"]))
         ref = steps[0][ref_run]
-        assert _max_diff(d0["before"], ref["before"]) == 0.0
-        assert _max_diff(d0["grads"], ref["grads"]) == 0.0, dist_run
-        diff = _max_diff(d0["after"], ref["after"])
-        print(f"{dist_run} vs {ref_run} at DP 2: max |w_dist - w_adamw| = {diff:.3e}, "
+        layout = "DP 2 x EP 2" if dist_run == "dist_ep2" else "DP 2"
+        print(f"{dist_run} vs {ref_run} at {layout}: max |w_dist - w_adamw| = {diff:.3e}, "
               f"grad norm {d0['metrics']['grad_norm']:.9f} vs {ref['metrics']['grad_norm']:.9f}")
         assert diff <= 1e-6, (dist_run, diff)
         assert d0["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"],
                                                            rel=1e-6)
         assert d0["metrics"]["skipped"] == 0.0
+    # The same global gradient at EP 2: megatron sums the expert part over the EP ranks.
+    assert steps[0]["dist_ep2"]["parts"] == 2  # dense and expert DistributedOptimizers
+    assert steps[0]["dist_ep2"]["metrics"]["grad_norm"] == pytest.approx(
+        steps[0]["dist"]["metrics"]["grad_norm"], rel=1e-5)
 
 
 def test_grad_norm_and_clipping_are_megatron_s(steps):
