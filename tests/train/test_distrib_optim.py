@@ -1,8 +1,8 @@
 """megatron's DistributedOptimizer (the GPU recipes' optimizer) on CPU under gloo.
 
-At DP 2 (fp32 and bf16, and with EP 2), one TG step through megatron DDP's sharded grad buffers and the distributed
-optimizer gives the weights of the CPU AdamW path (:class:`CPUAdamW`) at the same settings,
-on both ranks (the parameter all-gather ran). Its grad norm, the number the loop logs, is the
+At DP 2 (fp32 and bf16, and with EP 2), one TG step through megatron DDP's sharded grad
+buffers and the distributed optimizer gives the weights of the CPU AdamW path
+(:class:`CPUAdamW`) at the same settings, on both ranks (the parameter all-gather ran). Its grad norm, the number the loop logs, is the
 norm of the DP-averaged gradient computed here from the gradients themselves, and with Adam's
 epsilon large enough for the first step to be linear in the gradient, the update equals the
 closed-form clipped step (and not the unclipped one).
