@@ -182,6 +182,10 @@ class Checkpointer:
         trainer state."""
         from megatron.core import dist_checkpointing
 
+        check = getattr(optimizer, "check_resumable", None)
+        if check is not None:  # before megatron's load fails on another layout's shards
+            common = dist_checkpointing.load_common_state_dict(str(path / "dist"))
+            check(common.get("optimizer", {}), str(path))
         state = dist_checkpointing.load(self._sharded(model, optimizer, expert, ema,
                                                       is_loading=True), str(path / "dist"))
         unwrap(model).load_state_dict(state["model"])

@@ -281,6 +281,7 @@ class MegatronOptimizer:
         state = self.opt.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
                                             metadata=metadata)
         state["num_steps"] = self.num_steps
+        state["layout"] = _model_layout()
         return state
 
     def _materialise_torch_adam_state(self) -> None:
@@ -302,8 +303,22 @@ class MegatronOptimizer:
                     and not any("step" in st for st in opt.optimizer.state.values())):
                 opt._init_optimizer_states_with_dummy_values()
 
+    def check_resumable(self, saved: dict[str, Any], where: str) -> None:
+        """Refuse, naming both layouts, a distributed-optimizer checkpoint saved at another
+        model layout: ``dp_reshardable`` shards are grad-buffer ranges, which only a change of
+        DP size can remap (megatron would fail with a shape mismatch or a missing key).
+        ``saved`` is the optimizer's common (unsharded) checkpoint state."""
+        layout, now = saved.get("layout"), _model_layout()
+        if layout is not None and layout != now:
+            fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
+            raise ValueError(
+                f"{where}: the distributed optimizer's state was saved at {fmt(layout)} and "
+                f"this run has {fmt(now)}; its dp_reshardable format resumes at another "
+                f"data-parallel size only (same tp/pp/ep/etp)")
+
     @torch.no_grad()  # fp32 parameters' main shards are views of them: an in-place copy
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state.pop("layout", None)
         self.num_steps = int(state.pop("num_steps"))
         self.opt.load_state_dict(state)
         self._restore_torch_adam_steps()
@@ -329,6 +344,16 @@ class MegatronOptimizer:
                     st = opt.optimizer.state.get(p)
                     if st and "step" in group:
                         st["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def _model_layout() -> dict[str, int]:
+    """The model-parallel sizes a distributed-optimizer checkpoint is tied to."""
+    from megatron.core import parallel_state as mps
+
+    return {"tp": mps.get_tensor_model_parallel_world_size(),
+            "pp": mps.get_pipeline_model_parallel_world_size(),
+            "ep": mps.get_expert_model_parallel_world_size(),
+            "etp": mps.get_expert_tensor_parallel_world_size()}
 
 
 def build_optimizer(model: torch.nn.Module, cfg, *, distributed: bool = False,

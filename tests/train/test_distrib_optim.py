@@ -1,16 +1,17 @@
 """megatron's DistributedOptimizer (the GPU recipes' optimizer) on CPU under gloo.
 
-At DP 2 (fp32 and bf16, and with EP 2), one TG step through megatron DDP's sharded grad
-buffers and the distributed optimizer gives the weights of the CPU AdamW path
-(:class:`CPUAdamW`) at the same settings, on both ranks (the parameter all-gather ran). Its grad norm, the number the loop logs, is the
-norm of the DP-averaged gradient computed here from the gradients themselves, and with Adam's
-epsilon large enough for the first step to be linear in the gradient, the update equals the
-closed-form clipped step (and not the unclipped one).
+At DP 2 (fp32 and bf16, with EP 2, and at TP 2 x DP 2 on 4 ranks), one TG step through
+megatron DDP's sharded grad buffers and the distributed optimizer gives the weights of the
+CPU AdamW path (:class:`CPUAdamW`) at the same settings, on every rank (the parameter
+all-gather ran). Its grad norm, the number the loop logs, is the norm of the DP-averaged
+gradient computed here from the gradients themselves, and with Adam's epsilon large enough
+for the first step to be linear in the gradient, the update equals the closed-form clipped
+step (and not the unclipped one).
 
 Its sharded state, saved by the trainer's checkpointer in megatron's ``dp_reshardable``
 format, resumes at another DP size: saved at DP 2 after step 2, resumed at DP 1 for step 3
 (saved again), resumed at DP 2 for step 4; each resumed step's weights equal the
-uninterrupted DP 2 run's.
+uninterrupted DP 2 run's. A resume at another TP size is refused, naming both layouts.
 
 The trainer with ``parallel.use_distributed_optimizer=true`` on the CPU default recipe (DP 2,
 EMA expert): the loop's ``optim/grad_norm`` is megatron's and the step is the default path's;
@@ -29,22 +30,25 @@ from megatron_tg.testing.distributed import run_distributed
 from tests.train.common import make_samples, tiny_policy
 from tests.train.test_trainer import checkpoint  # noqa: F401  (the fixture)
 
-# (name, optimizer kind, params dtype, expert-parallel size, OptimizerConfig fields)
-RUNS = [("dist", "distributed", "float32", 1, dict(lr=1e-3, grad_clip=1.0)),
-        ("adamw", "cpu_adamw", "float32", 1, dict(lr=1e-3, grad_clip=1.0)),
-        ("dist_bf16", "distributed", "bfloat16", 1, dict(lr=1e-3, grad_clip=1.0)),
-        ("adamw_bf16", "cpu_adamw", "bfloat16", 1, dict(lr=1e-3, grad_clip=1.0)),
+# (name, optimizer kind, params dtype, TP, EP, OptimizerConfig fields)
+CLIP = dict(lr=1e-3, grad_clip=1.0)
+RUNS = [("dist", "distributed", "float32", 1, 1, CLIP),
+        ("adamw", "cpu_adamw", "float32", 1, 1, CLIP),
+        ("dist_bf16", "distributed", "bfloat16", 1, 1, CLIP),
+        ("adamw_bf16", "cpu_adamw", "bfloat16", 1, 1, CLIP),
         # EP 2 over the same 2 ranks: dense weights sharded over DP 2, experts over expert-DP 1
         # (two DistributedOptimizers), the norm summed over the expert-parallel ranks.
-        ("dist_ep2", "distributed", "float32", 2, dict(lr=1e-3, grad_clip=1.0)),
-        ("adamw_ep2", "cpu_adamw", "float32", 2, dict(lr=1e-3, grad_clip=1.0)),
+        ("dist_ep2", "distributed", "float32", 1, 2, CLIP),
+        ("adamw_ep2", "cpu_adamw", "float32", 1, 2, CLIP),
         # eps >> |g|: Adam's first step is lr * g / (|g| + eps), linear in the (clipped) g.
-        ("dist_linear", "distributed", "float32", 1,
-         dict(lr=1e-3, grad_clip=1.0, eps=1e-2))]
+        ("dist_linear", "distributed", "float32", 1, 1, dict(CLIP, eps=1e-2))]
+# 4 ranks, TP 2 x DP 2: TP-replicated weights (norms, router) count once in the norm.
+RUNS_TP2 = [("dist_tp2", "distributed", "float32", 2, 1, CLIP),
+            ("adamw_tp2", "cpu_adamw", "float32", 2, 1, CLIP)]
 
 
 def _one_step_fn(rank, world, state, hf_cfg, samples, tok_dir, runs):
-    """For each run: build the tiny policy (TP 1, the run's EP), one TG micro-batch per DP
+    """For each run: build the tiny policy at the run's TP and EP, one TG micro-batch per DP
     rank, one optimizer step. Returns the weights before/after, the DP-averaged gradients and the step's metrics."""
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig, finalize_model_grads)
@@ -66,12 +70,13 @@ def _one_step_fn(rank, world, state, hf_cfg, samples, tok_dir, runs):
     obj_cfg = ObjectiveConfig(mode="tg", kl_coef=0.5)
     row = 2 * max(len(s.rollout.token_ids) for s in samples)
     out = {}
-    for name, kind, dtype, ep, opt_fields in runs:
-        ctx = init_parallel(tp=1, ep=ep, etp=1, seed=3)
+    for name, kind, dtype, tp, ep, opt_fields in runs:
+        ctx = init_parallel(tp=tp, ep=ep, etp=1 if ep > 1 else tp, seed=3)
         dp, dp_rank = ctx.dims.dp, ctx.rank_in(Axis.DP)
         distributed = kind == "distributed"
         params_dtype = getattr(torch, dtype)
-        model = build_model(arch, tp=1, ep=ep, etp=1, params_dtype=params_dtype)
+        model = build_model(arch, tp=tp, ep=ep, etp=1 if ep > 1 else tp,
+                            params_dtype=params_dtype)
         load_hf_weights(model, state, arch, current_layout())
         ddp = DistributedDataParallel(config=model.config, module=model,
                                       ddp_config=DistributedDataParallelConfig(
@@ -83,7 +88,8 @@ def _one_step_fn(rank, world, state, hf_cfg, samples, tok_dir, runs):
         before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         objective = TGObjective(obj_cfg, group=ctx.group(Axis.TP),
                                 reduce_hidden_grad=ops_reduce_hidden_grad(ddp))
-        mb = build_micro_batch(samples[dp_rank::dp], tok, obj_cfg, row_tokens=row)
+        mb = build_micro_batch(samples[dp_rank::dp], tok, obj_cfg, row_tokens=row,
+                               pad_multiple=tp)
         opt.zero_grad()
         loss = micro_batch_loss(ddp, objective, mb, vocab_size=arch.vocab_size).loss
         loss.backward()
@@ -106,8 +112,8 @@ def _one_step_fn(rank, world, state, hf_cfg, samples, tok_dir, runs):
 
 def _own_range_summed(opt, param, grad):
     """``grad`` with every element outside this rank's distributed-optimizer range zeroed and
-    the result summed over the ranks that shard ``param`` (TP = 1: the DP group, or for an
-    expert the expert-DP group): each element from the one rank that owns it. A rank owning
+    the result summed over the ranks that shard ``param`` (the DP group, or for an expert the
+    expert-DP group): each element from the one rank that owns it. A rank owning
     none of ``param`` adds zeros."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mps
@@ -170,6 +176,26 @@ def test_one_step_equals_the_adamw_path_at_dp2(steps):
     assert steps[0]["dist_ep2"]["parts"] == 2  # dense and expert DistributedOptimizers
     assert steps[0]["dist_ep2"]["metrics"]["grad_norm"] == pytest.approx(
         steps[0]["dist"]["metrics"]["grad_norm"], rel=1e-5)
+
+
+def test_one_step_at_tp2_dp2(steps):
+    tok, cfg, state = tiny_policy()
+    samples = make_samples(tok, cfg, state)
+    out = run_distributed(_one_step_fn, 4, state, cfg, samples, tok.name_or_path, RUNS_TP2)
+    diff = 0.0
+    for rank_out in out:
+        d, ref = rank_out["dist_tp2"], rank_out["adamw_tp2"]
+        assert _max_diff(d["grads"], ref["grads"]) == 0.0
+        assert _max_diff(d["after"], d["before"]) > 1e-4
+        diff = max(diff, _max_diff(d["after"], ref["after"]))
+        # The same global gradient as at TP 1: the norm counts TP duplicates once.
+        assert d["metrics"]["grad_norm"] == pytest.approx(
+            steps[0]["dist"]["metrics"]["grad_norm"], rel=1e-5)
+    norm = out[0]["dist_tp2"]["metrics"]["grad_norm"]
+    ref_norm = out[0]["adamw_tp2"]["metrics"]["grad_norm"]
+    print(f"dist_tp2 vs adamw_tp2 at TP 2 x DP 2: max |w_dist - w_adamw| = {diff:.3e}, "
+          f"grad norm {norm:.9f} vs {ref_norm:.9f}")
+    assert diff <= 1e-6
 
 
 def test_grad_norm_and_clipping_are_megatron_s(steps):
@@ -326,3 +352,47 @@ def test_trainer_uses_megatron_s_distributed_optimizer(checkpoint, tmp_path):  #
     torch.testing.assert_close(e1, decay * e0 + (1 - decay) * p1, atol=1e-7, rtol=1e-6)
     for rank_out in dist:
         assert torch.equal(rank_out["resumed"][0], p1) and torch.equal(rank_out["resumed"][1], e1)
+
+
+def _layout_fn(rank, world, state, hf_cfg, ckpt_root, tp, mode):
+    """Build the policy at TP ``tp`` with the distributed optimizer; save its (initialised)
+    state, or load the newest checkpoint. Returns the error a load raised, if any."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_tg.config.train import OptimizerConfig
+    from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
+    from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
+    from megatron_tg.parallel.state import init_parallel
+    from megatron_tg.train.checkpoint import Checkpointer
+    from megatron_tg.train.optim import build_optimizer
+
+    init_parallel(tp=tp, seed=7)
+    arch = Qwen3Arch.from_hf(hf_cfg)
+    model = build_model(arch, tp=tp)
+    load_hf_weights(model, state, arch, current_layout())
+    ddp = DistributedDataParallel(config=model.config, module=model,
+                                  ddp_config=DistributedDataParallelConfig(
+                                      grad_reduce_in_fp32=True, use_distributed_optimizer=True))
+    opt = build_optimizer(ddp, OptimizerConfig(), distributed=True)
+    ckpt = Checkpointer(ckpt_root)
+    if mode == "save":
+        # megatron's torch-AdamW state_dict needs the state a first step creates (the trainer
+        # saves only after steps); megatron's zero-gradient initialiser stands in for one.
+        opt._materialise_torch_adam_state()
+        ckpt.save(1, ddp, opt, {})
+        return None
+    try:
+        ckpt.load(ckpt.latest(), ddp, opt)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_resume_at_another_model_layout_is_refused(tmp_path):
+    tok, cfg, state = tiny_policy()
+    root = str(tmp_path / "ckpt")
+    run_distributed(_layout_fn, 2, state, cfg, root, 1, "save")  # TP 1 x DP 2
+    errors = run_distributed(_layout_fn, 2, state, cfg, root, 2, "load")  # TP 2 x DP 1
+    for err in errors:
+        assert err is not None and "saved at tp=1, pp=1, ep=1, etp=1" in err
+        assert "this run has tp=2" in err and "data-parallel size only" in err
