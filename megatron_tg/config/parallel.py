@@ -40,7 +40,11 @@ class ParallelConfig:
     """torch.distributed backend: "gloo" (CPU), "nccl" (GPU), "auto" = nccl when CUDA is available."""
 
     use_distributed_optimizer: bool = False
-    """Shard the fp32 master weights and Adam moments over the data-parallel ranks (ZeRO-1)."""
+    """Shard the fp32 master weights and Adam moments over the data-parallel ranks (ZeRO-1):
+    megatron's DistributedOptimizer over DDP's sharded grad buffers, on GPU and on CPU (gloo).
+    False: megatron's unsharded optimizer on GPU, a plain AdamW on the same grad buffers on CPU.
+    Its checkpoints (megatron's ``dp_reshardable`` format) resume at another DP size, not at
+    another TP/PP/EP layout."""
 
     nodes: Optional[int] = None
     """Training nodes this recipe is sized for; None = whatever world the launcher starts.

@@ -16,7 +16,9 @@ class OptimizerConfig:
     """Peak learning rate after warm-up (paper: Adam, 3e-6)."""
 
     weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW); 0 = plain Adam as in the paper."""
+    """Decoupled weight decay (AdamW); 0 = plain Adam as in the paper. megatron's optimizer
+    (GPU, or ``parallel.use_distributed_optimizer``) exempts biases and 1-D weights (norms),
+    megatron's default; the CPU default's AdamW decays every weight. Equal at 0."""
 
     adam_beta1: float = 0.9
     """Adam's first-moment decay."""

@@ -29,6 +29,27 @@ code the cluster runs. Measured on megatron-core 0.16.1 and 0.19.2.
 7. megatron-core 0.16.1 leaves ``moe_utils.te_general_gemm`` unbound when TE is absent,
    so every router forward raises NameError; we bind it to ``None`` (the torch fallback).
 
+The optimizer (``get_megatron_optimizer``, distributed or not) needs two more, so that the
+CPU tests run the optimizer the GPU recipes use:
+
+8. Literal ``device="cuda"`` allocations: the optimizers' found-inf / overflow / unit-scale
+   scalars (``optimizer.optimizer``), the grad scaler's scalars (``optimizer.grad_scaler``),
+   the grad-norm and zero-count accumulators (``optimizer.clip_grads``) and the l2-norm of the
+   non-apex multi-tensor fallback (``core.utils.local_multi_tensor_l2_norm``). Each of those
+   modules gets its own view of ``torch`` (:class:`_CPUFactories`) whose factory functions
+   map ``device="cuda"`` to the CPU; every other name is torch's own. Only calls that would
+   raise on a CPU-only torch change. (``distrib_optimizer`` allocates through
+   ``torch.cuda.current_device()``, already covered by 1; its ``.cuda()`` calls sit on the
+   legacy non-gloo gather path, which the ``dp_reshardable`` checkpoint does not use.)
+9. Precision is read from CUDA type names: ``param.type() == "torch.cuda.FloatTensor"``
+   (or ``...BFloat16Tensor`` / ``HalfTensor``) picks the fp32-master branch in
+   ``DistributedOptimizer.__init__`` (and its ``_build_model_and_main_param_groups``),
+   ``Float16OptimizerWithFloat16Params.__init__``, and an assert in
+   ``clip_grad_by_total_norm_fp32``; a CPU tensor says ``"torch.FloatTensor"`` and is refused
+   as an unknown type. For the duration of exactly those calls (:func:`_cuda_type_names`),
+   ``Tensor.type()`` without arguments answers the CUDA name of a CPU tensor's type; the
+   converting form ``t.type(dtype)`` is untouched.
+
 Everything is idempotent; :func:`apply_cpu_patches` returns the list of patches applied.
 """
 
@@ -59,6 +80,7 @@ def apply_cpu_patches() -> list[str]:
     _patch_causal_masks()
     _patch_uneven_collectives()
     _patch_moe()
+    _patch_optimizer()
     log.debug("megatron CPU patches applied: %s", _APPLIED)
     return list(_APPLIED)
 
@@ -239,3 +261,80 @@ def _patch_moe() -> None:
 
     cls._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
     _APPLIED.append("MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize->host numpy")
+
+
+# ---- (8), (9): megatron's optimizer ------------------------------------------------------
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+
+def _host_device(device):
+    return "cpu" if device is not None and torch.device(device).type == "cuda" else device
+
+
+class _CPUFactories:
+    """``torch`` as one megatron module sees it: ``torch.tensor/zeros/ones/empty/full`` with
+    ``device="cuda"`` allocate on the CPU; every other attribute is torch's."""
+
+    def __getattr__(self, name: str):
+        attr = getattr(torch, name)
+        if name not in _FACTORIES:
+            return attr
+
+        @functools.wraps(attr)
+        def factory(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _host_device(kwargs["device"])
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _type_with_cuda_names(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        return _TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+@contextlib.contextmanager
+def _cuda_type_names_ctx():
+    prev = torch.Tensor.type
+    torch.Tensor.type = _type_with_cuda_names  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = prev  # type: ignore[method-assign]
+
+
+def _cuda_type_names(fn):
+    """``fn`` run with CPU tensors reporting CUDA type names (patch 9)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names_ctx():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _patch_optimizer() -> None:
+    from megatron.core import utils as core_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    # (8) per-module torch views for the literal device="cuda" sites.
+    for mod in (moptimizer, grad_scaler, clip_grads, core_utils):
+        mod.torch = _CPUFactories()
+    # (9) the three places that read CUDA type names. clip_grad_by_total_norm_fp32 is called
+    # through optimizer.py's own binding of the name, so that is the one replaced.
+    dopt = distrib_optimizer.DistributedOptimizer
+    dopt.__init__ = _cuda_type_names(dopt.__init__)
+    f16 = moptimizer.Float16OptimizerWithFloat16Params
+    f16.__init__ = _cuda_type_names(f16.__init__)
+    moptimizer.clip_grad_by_total_norm_fp32 = _cuda_type_names(
+        clip_grads.clip_grad_by_total_norm_fp32)
+    _APPLIED.extend(["optimizer/grad_scaler/clip_grads/utils device='cuda'->cpu",
+                     "optimizer Tensor.type() CUDA names in DistributedOptimizer/"
+                     "Float16Optimizer __init__ and clip_grad_by_total_norm_fp32"])

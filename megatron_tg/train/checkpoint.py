@@ -44,6 +44,12 @@ from megatron_tg.train.signals import ignore_stop_signals
 
 _PREFIX = "step_"
 
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+"""How megatron's distributed optimizer shards its checkpoint (what Megatron-LM's training
+passes too): the grad-buffer shards as they are, reloadable at another data-parallel size.
+megatron-core 0.16.1's default, ``fully_sharded_model_space``, fails at save
+(``ShardedTensor.flattened_range is not supported``). Other optimizers ignore it."""
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -136,9 +142,11 @@ class Checkpointer:
         return path
 
     @staticmethod
-    def _sharded(model, optimizer, expert=None, ema: ShardedEMA | None = None) -> dict[str, Any]:
+    def _sharded(model, optimizer, expert=None, ema: ShardedEMA | None = None,
+                 is_loading: bool = False) -> dict[str, Any]:
         model_sd = unwrap(model).sharded_state_dict()
-        out = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+        out = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))}
         if expert is not None:  # frozen/EMA expert weights, sharded like the policy's
             out["expert"] = expert.sharded_state_dict(prefix="expert.")
             if ema is not None:  # the fp32 average, not its bf16 cast
@@ -216,8 +224,12 @@ class Checkpointer:
         trainer state."""
         from megatron.core import dist_checkpointing
 
-        state = dist_checkpointing.load(self._sharded(model, optimizer, expert, ema),
-                                        str(path / "dist"))
+        check = getattr(optimizer, "check_resumable", None)
+        if check is not None:  # before megatron's load fails on another layout's shards
+            common = dist_checkpointing.load_common_state_dict(str(path / "dist"))
+            check(common.get("optimizer", {}), str(path))
+        state = dist_checkpointing.load(self._sharded(model, optimizer, expert, ema,
+                                                      is_loading=True), str(path / "dist"))
         unwrap(model).load_state_dict(state["model"])
         if expert is not None:  # keys carry the "expert." prefix the save gave them
             loaded = {k.removeprefix("expert."): v for k, v in state["expert"].items()}

@@ -1,7 +1,10 @@
-"""Optimizers: megatron's distributed optimizer on GPU, AdamW over DDP grad buffers on CPU.
+"""Optimizers: megatron-core's (distributed or not) and a plain AdamW over DDP grad buffers.
 
-megatron-core's optimizers (``get_megatron_optimizer``) allocate CUDA tensors for their
-fp32 master copies, overflow flags and grad-norm reductions, so on CPU the trainer uses
+:class:`MegatronOptimizer` is ``get_megatron_optimizer``: with
+``parallel.use_distributed_optimizer`` megatron's ``DistributedOptimizer`` (ZeRO-1 over DDP's
+grad buffers, the GPU recipes' choice), which also runs on CPU under gloo through the
+optimizer patches of :mod:`megatron_tg.parallel.cpu_patches` (8, 9), so the tests run the
+optimizer the GPU recipes use. Without it, on CPU, the trainer uses
 :class:`CPUAdamW`: ``torch.optim.AdamW`` over the parameters, reading megatron DDP's
 ``main_grad`` buffers (already averaged over DP by ``finalize_model_grads``), with the same
 global-norm clipping rule megatron applies:
@@ -15,9 +18,12 @@ weights would lose any update smaller than half their spacing (at lr 3e-6, nearl
 Both optimizers expose their fp32 main parameters as :class:`~megatron_tg.train.ema.MainShard`
 ranges (``main_shards``), which the EMA expert averages.
 
-Its checkpoint is sharded like the parameters it belongs to (megatron's
+CPUAdamW's checkpoint is sharded like the parameters it belongs to (megatron's
 ``optim_state_to_sharding_state``), so it reshards on load exactly like the model; the fp32
-masters are saved with it (``master_param``), so a resumed bf16 run loses nothing.
+masters are saved with it (``master_param``), so a resumed bf16 run loses nothing. The
+distributed optimizer saves in megatron's ``dp_reshardable`` format (what the checkpointer
+asks for: :data:`megatron_tg.train.checkpoint.OPTIMIZER_METADATA`): its grad-buffer shards as
+they are, resumable at another data-parallel size (not at another TP/PP layout).
 """
 
 from __future__ import annotations
@@ -146,7 +152,10 @@ class CPUAdamW:
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict) -> dict[str, Any]:
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """Sharded like the model's parameters; ``is_loading``/``metadata`` are megatron's
+        optimizer arguments, which this format does not need."""
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
             optim_state_to_sharding_state,
@@ -181,7 +190,7 @@ class CPUAdamW:
 
 
 class MegatronOptimizer:
-    """megatron-core's optimizer (distributed when ``use_distributed_optimizer``); GPU path.
+    """megatron-core's optimizer (distributed when ``use_distributed_optimizer``).
 
     It owns the fp32 master weights, reads DDP's grad buffers, clips with the same rule as
     :func:`global_grad_norm`, and shards its own checkpoint. Exposes the same small surface
@@ -224,11 +233,19 @@ class MegatronOptimizer:
         out: list[MainShard] = []
         for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
             if isinstance(opt, DistributedOptimizer):
-                for p in opt.model_param_group_index_map:
-                    r = opt._get_model_param_range_map(p)["param"]
-                    main = opt._get_main_param_and_optimizer_states(p)["param"]
-                    out.append(MainShard(param=p, main=main.view(-1), start=r.start,
-                                         group=opt.data_parallel_group))
+                # Every parameter of its grad buffers, in the buffers' order (the same on every
+                # rank, so the EMA's per-parameter gathers pair up); a parameter wholly owned
+                # by other ranks has an empty range here.
+                for buf in opt.buffers:
+                    for p in buf.params:
+                        if p in opt.model_param_group_index_map:
+                            r = opt._get_model_param_range_map(p)["param"]
+                            main = opt._get_main_param_and_optimizer_states(p)["param"].view(-1)
+                            start = r.start
+                        else:
+                            main, start = torch.empty(0, device=p.device), 0
+                        out.append(MainShard(param=p, main=main, start=start,
+                                             group=opt.data_parallel_group))
                 continue
             if hasattr(opt, "float16_groups"):  # Float16OptimizerWithFloat16Params
                 pairs = list(zip(opt.float16_groups, opt.fp32_from_float16_groups))
@@ -245,26 +262,112 @@ class MegatronOptimizer:
         return out
 
     def step(self) -> dict[str, float]:
+        """megatron's step: clip to ``grad_clip`` by the global norm, update; returns megatron's
+        grad norm (pre-clip), the number the loop logs."""
         ok, norm, _ = self.opt.step()
         self.num_steps += int(bool(ok))
         return {"grad_norm": float(norm if norm is not None else float("nan")),
                 "skipped": 0.0 if ok else 1.0}
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict) -> dict[str, Any]:
-        state = self.opt.sharded_state_dict(model_sharded_state_dict)
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """megatron's sharded optimizer state. The distributed optimizer's format is chosen by
+        ``metadata["distrib_optim_sharding_type"]``: megatron-core 0.16.1 defaults to
+        ``fully_sharded_model_space``, whose save raises ``ShardedTensor.flattened_range is not
+        supported``, so the checkpointer passes ``dp_reshardable``. ``is_loading`` lets megatron
+        allocate the Adam state it is about to load into."""
+        if is_loading:
+            self._materialise_torch_adam_state()
+        state = self.opt.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                            metadata=metadata)
         state["num_steps"] = self.num_steps
+        state["layout"] = _model_layout()
         return state
 
+    def _materialise_torch_adam_state(self) -> None:
+        """Give a fresh distributed optimizer's inner ``torch.optim.AdamW`` its state.
+
+        Without Transformer Engine or apex (the CPU), megatron's optimizer is torch's AdamW,
+        and ``DistributedOptimizer.state_dict`` reads the step counter from its per-parameter
+        state, which does not exist before the first step: loading a checkpoint into a new
+        optimizer would fail on ``assert len(steps) == 1``. megatron's own initialiser (a zero
+        gradient step) creates it; the load then overwrites the main parameters, moments and
+        step. TE's FusedAdam keeps its step in the param groups and needs none of this."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+            # Not "state is empty": reading a main parameter (main_shards) leaves empty
+            # per-parameter entries in torch's state defaultdict.
+            if (isinstance(opt, DistributedOptimizer)
+                    and isinstance(opt.optimizer, torch.optim.AdamW)
+                    and not any("step" in st for st in opt.optimizer.state.values())):
+                opt._init_optimizer_states_with_dummy_values()
+
+    def check_resumable(self, saved: dict[str, Any], where: str) -> None:
+        """Refuse, naming both layouts, a distributed-optimizer checkpoint saved at another
+        model layout: ``dp_reshardable`` shards are grad-buffer ranges, which only a change of
+        DP size can remap (megatron would fail with a shape mismatch or a missing key).
+        ``saved`` is the optimizer's common (unsharded) checkpoint state."""
+        layout, now = saved.get("layout"), _model_layout()
+        if layout is not None and layout != now:
+            fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
+            raise ValueError(
+                f"{where}: the distributed optimizer's state was saved at {fmt(layout)} and "
+                f"this run has {fmt(now)}; its dp_reshardable format resumes at another "
+                f"data-parallel size only (same tp/pp/ep/etp)")
+
+    @torch.no_grad()  # fp32 parameters' main shards are views of them: an in-place copy
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state.pop("layout", None)
         self.num_steps = int(state.pop("num_steps"))
         self.opt.load_state_dict(state)
+        self._restore_torch_adam_steps()
+
+    def _restore_torch_adam_steps(self) -> None:
+        """Per-parameter step counters of the inner ``torch.optim.AdamW`` after a load.
+
+        megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` (torch-AdamW branch)
+        gives every parameter one shared step tensor, and the ``dp_reshardable`` load then
+        copies the pre-load local step (a non-persistent entry) into it: measured, 41
+        parameters resumed from a step-2 checkpoint shared one counter reading 1.0, so Adam's
+        bias correction was wrong and every step advanced it once per parameter. The step
+        the checkpoint saved is in the loaded param groups (megatron writes it there);
+        each parameter gets its own counter with that value."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+            if not (isinstance(opt, DistributedOptimizer)
+                    and isinstance(opt.optimizer, torch.optim.AdamW)):
+                continue
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    st = opt.optimizer.state.get(p)
+                    if st and "step" in group:
+                        st["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def _model_layout() -> dict[str, int]:
+    """The model-parallel sizes a distributed-optimizer checkpoint is tied to."""
+    from megatron.core import parallel_state as mps
+
+    return {"tp": mps.get_tensor_model_parallel_world_size(),
+            "pp": mps.get_pipeline_model_parallel_world_size(),
+            "ep": mps.get_expert_model_parallel_world_size(),
+            "etp": mps.get_expert_tensor_parallel_world_size()}
 
 
 def build_optimizer(model: torch.nn.Module, cfg, *, distributed: bool = False,
                     bf16: bool = False):
-    """AdamW for ``model`` from an ``OptimizerConfig``: megatron's on GPU, :class:`CPUAdamW`
-    on CPU (megatron's allocates CUDA tensors)."""
-    if torch.cuda.is_available():
+    """AdamW for ``model`` (megatron DDP, built with the same ``use_distributed_optimizer``)
+    from an ``OptimizerConfig``: megatron's on GPU and, on either device, megatron's
+    distributed optimizer when ``distributed``; :class:`CPUAdamW` on CPU otherwise."""
+    ddp_distributed = getattr(getattr(model, "ddp_config", None), "use_distributed_optimizer",
+                              distributed)
+    if ddp_distributed != distributed:
+        raise ValueError(f"the optimizer's use_distributed_optimizer={distributed} differs from "
+                         f"the DistributedDataParallel model's ({ddp_distributed}): megatron's "
+                         f"distributed optimizer needs DDP's sharded grad buffers")
+    if distributed or torch.cuda.is_available():
         return MegatronOptimizer(model, cfg, distributed=distributed, bf16=bf16)
     return CPUAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                     betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.eps, grad_clip=cfg.grad_clip)

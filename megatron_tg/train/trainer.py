@@ -81,7 +81,7 @@ class Trainer:
             config=model.config, module=model,
             ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
-                use_distributed_optimizer=p.use_distributed_optimizer and torch.cuda.is_available()))
+                use_distributed_optimizer=p.use_distributed_optimizer))
         self.optimizer = build_optimizer(self.model, cfg.optimizer,
                                          distributed=p.use_distributed_optimizer,
                                          bf16=dtype == torch.bfloat16)
