@@ -316,6 +316,7 @@ def _trainer_fn(rank, world, overrides, samples):
     metrics = trainer.train_step(samples[rank % dp::dp])
     after = flat(trainer.gpt), flat(trainer.expert_model)
     trainer.save({})
+    trainer.checkpointer.finalize(blocking=True)  # an async save completes before a resume sees it
     again = Trainer(cfg)  # the base weights again, then the checkpoint
     again.resume()
     return dict(kinds=kinds, metrics=metrics, before=before, after=after,

@@ -33,6 +33,7 @@ def _ema_fn(rank, world, overrides, samples):
         history.append((full(), masters()))
     expert = {n: p.detach().clone() for n, p in trainer.expert_model.named_parameters()}
     trainer.save({})
+    trainer.checkpointer.finalize(blocking=True)  # an async save completes before a resume sees it
     again = Trainer(cfg)
     again.resume()
     return dict(history=history, expert=expert, resumed=again.ema.full_state(),

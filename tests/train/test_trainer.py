@@ -102,6 +102,7 @@ def _expert_fn(rank, world, overrides, samples, ckpt_dir):
     trainer.train_step(samples)
     after_policy, after_expert = flat(trainer.gpt), flat(trainer.expert_model)
     trainer.save({})
+    trainer.checkpointer.finalize(blocking=True)  # an async save completes before a resume sees it
     again = Trainer(cfg)  # restarts from the same base weights, then resumes the checkpoint
     again.resume()
     return dict(before=(before_policy, before_expert), after=(after_policy, after_expert),
