@@ -28,6 +28,12 @@ code the cluster runs. Measured on megatron-core 0.16.1 and 0.19.2.
    is replaced by pad-to-max + the even collective + trim; the even branch is untouched.
 7. megatron-core 0.16.1 leaves ``moe_utils.te_general_gemm`` unbound when TE is absent,
    so every router forward raises NameError; we bind it to ``None`` (the torch fallback).
+8. ``pipeline_parallel/schedules.py`` allocates its token counter with a literal
+   ``device="cuda"`` (``total_num_tokens`` in every schedule, PP = 1 included). That module's
+   ``torch`` name is pointed at a proxy of torch whose factory functions map ``"cuda"`` to
+   the CPU; every other attribute is torch's own. ``p2p_communication.py`` needs nothing
+   more: it allocates on ``torch.cuda.current_device()`` (1) and its
+   ``torch.cuda.synchronize()`` after ``batch_isend_irecv`` is the no-op of (2).
 
 Everything is idempotent; :func:`apply_cpu_patches` returns the list of patches applied.
 """
@@ -59,6 +65,7 @@ def apply_cpu_patches() -> list[str]:
     _patch_causal_masks()
     _patch_uneven_collectives()
     _patch_moe()
+    _patch_schedules()
     log.debug("megatron CPU patches applied: %s", _APPLIED)
     return list(_APPLIED)
 
@@ -239,3 +246,34 @@ def _patch_moe() -> None:
 
     cls._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
     _APPLIED.append("MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize->host numpy")
+
+
+class _CPUDeviceTorch:
+    """torch, except that tensor factories given ``device="cuda"`` allocate on the CPU."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor")
+
+    def __init__(self, torch_module) -> None:
+        self._torch = torch_module
+
+    def __getattr__(self, name):
+        attr = getattr(self._torch, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        @functools.wraps(attr)
+        def factory(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+def _patch_schedules() -> None:
+    # (8) the schedules' literal device="cuda" allocations.
+    from megatron.core.pipeline_parallel import schedules
+
+    if not isinstance(schedules.torch, _CPUDeviceTorch):
+        schedules.torch = _CPUDeviceTorch(torch)
+    _APPLIED.append("pipeline_parallel.schedules torch factories device=cuda->cpu")

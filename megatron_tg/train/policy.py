@@ -22,8 +22,10 @@ import torch
 
 @dataclass
 class HiddenOutput:
-    hidden: torch.Tensor          # [B, S, H], full sequence, replicated over TP
-    output_weight: torch.Tensor   # [V_pad / TP, H] this rank's vocabulary shard
+    hidden: torch.Tensor          # [B, S, H], full sequence, replicated over TP; on a pipeline
+    #                               stage before the last: the stage's output [S/TP, B, H]
+    output_weight: torch.Tensor | None  # [V_pad / TP, H] this rank's vocabulary shard (None
+    #                                     before the last stage, which alone holds it)
     reduce_hidden_grad: bool      # pass to the fused ops / TGObjective
 
 
@@ -68,8 +70,15 @@ def output_weight(gpt) -> torch.Tensor:
 
 def forward_hidden(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor,
                    attention_mask: torch.Tensor | None) -> HiddenOutput:
-    """Run ``model`` (possibly DDP-wrapped) and return the output layer's input."""
+    """Run ``model`` (possibly DDP-wrapped) and return the output layer's input.
+
+    Under pipeline parallelism a stage other than the last has no output layer: it returns
+    its decoder output, which the schedule sends to the next stage (whose input comes from
+    ``set_input_tensor``, not from ``tokens``)."""
     gpt = unwrap(model)
+    if not gpt.post_process:
+        return HiddenOutput(hidden=model(tokens, position_ids, attention_mask), output_weight=None,
+                            reduce_hidden_grad=not bool(gpt.config.sequence_parallel))
     with _hidden_mode(gpt) as layer:
         hidden = model(tokens, position_ids, attention_mask)  # GPTModel returns [B, S, H]
     return HiddenOutput(hidden=hidden, output_weight=output_weight(gpt),
