@@ -113,6 +113,9 @@ def run_sft(cfg, *, log_every: int = 1) -> dict[str, float]:
     s = cfg.sft
     if not s.data:
         raise ConfigError("sft.data: empty; name a JSONL of transcripts ({\"messages\": [...]} per line)")
+    if cfg.parallel.pp > 1:  # before any rank starts: its loss calls the model directly
+        raise ConfigError(f"parallel.pp={cfg.parallel.pp}: the SFT warm start runs at pp=1 only "
+                          "(the RL trainer's step runs through the pipeline schedules)")
     trainer = Trainer(cfg)
     trainer.resume()
     dp, dp_rank = trainer.ctx.dims.dp, trainer.ctx.rank_in(Axis.DP)

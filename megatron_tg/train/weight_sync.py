@@ -284,9 +284,6 @@ def probe_engines(trainer, call, client, checks: SyncChecks) -> dict[str, float]
     Rank 0 asks every engine (``call`` runs a coroutine on the rollout side's loop); the
     verdict is broadcast so that every rank stops together when an engine is wrong."""
     ctx = trainer.ctx
-    if ctx.dims.pp > 1:  # the probe runs the trainer's forward in a single stage
-        log.warning("rollout.sync_probe_interval: the log-prob probe needs parallel.pp=1; skipped")
-        return {}
     tokens = probe_tokens(trainer.arch.vocab_size, checks.probe_tokens)
     mine = trainer_logprobs(trainer.model, trainer.arch, ctx, tokens)
     verdict: float | str | None = None
