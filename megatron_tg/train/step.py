@@ -41,18 +41,16 @@ def expert_hidden_states(expert_model: torch.nn.Module, mb: MicroBatch, *,
     if mb.expert is None or mb.expert_rows.numel() == 0:
         if lockstep:
             with torch.no_grad():
-                forward_hidden(expert_model, mb.student.tokens, mb.student.position_ids,
-                               mb.student.attention_mask)
+                forward_hidden(expert_model, mb.student)
         return None, None
     with torch.no_grad():
-        out = forward_hidden(expert_model, mb.expert.tokens, mb.expert.position_ids,
-                             mb.expert.attention_mask)
+        out = forward_hidden(expert_model, mb.expert)
         return select_rows(out.hidden, mb.expert_rows).detach(), out.output_weight.detach()
 
 
 def _replay(model: torch.nn.Module, mb: MicroBatch):
-    b, width = mb.student.tokens.shape
-    return replay_routing(model, mb.routed_experts, mb.routed_layers, b, width)
+    # The model sees the packed rows as one THD sequence [1, B·S] (train/batching.py).
+    return replay_routing(model, mb.routed_experts, mb.routed_layers, 1, mb.student.tokens.numel())
 
 
 def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBatch, *,
@@ -75,13 +73,11 @@ def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBa
             raise ValueError("prefix reuse needs the shared-weight expert (objective.expert=shared)")
         gpt = unwrap(model)
         with record_kv(gpt) as store, _replay(model, mb):
-            student = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
-                                     mb.student.attention_mask)
+            student = forward_hidden(model, mb.student)
         expert_hidden = expert_weight = None
         if mb.expert_prefix is not None and mb.expert_rows.numel() > 0:
             with torch.no_grad(), reuse_kv(gpt, store, mb.expert_prefix):
-                out = forward_hidden(model, mb.expert.tokens, mb.expert.position_ids,
-                                     mb.expert.attention_mask)
+                out = forward_hidden(model, mb.expert)
                 expert_hidden = select_rows(out.hidden, mb.expert_rows).detach()
         else:
             store.clear()
@@ -92,8 +88,7 @@ def micro_batch_loss(model: torch.nn.Module, objective: TGObjective, mb: MicroBa
         expert_hidden, expert_weight = expert_hidden_states(expert_model or model, mb,
                                                             lockstep=expert_lockstep)
         with _replay(model, mb):
-            student = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
-                                     mb.student.attention_mask)
+            student = forward_hidden(model, mb.student)
     batch = PolicyBatch(
         target_ids=mb.target_ids, behaviour_logprobs=mb.behaviour_logprobs,
         loss_mask=mb.loss_mask, rollout_index=mb.rollout_index, advantages=mb.advantages,

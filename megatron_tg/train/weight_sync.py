@@ -214,7 +214,7 @@ def trainer_logprobs(model: torch.nn.Module, arch: Qwen3Arch, ctx, tokens: list[
     seq = torch.tensor([tokens])
     tp = ctx.dims.tp
     padded = torch.nn.functional.pad(seq, (0, (-seq.shape[1]) % tp))  # sequence parallel splits by tp
-    h = forward_hidden(model, padded, torch.arange(padded.shape[1])[None], None)
+    h = forward_hidden(model, padded)
     n = len(tokens)
     return fused_vocab_parallel_logprob(h.hidden[0, :n - 1], h.output_weight, seq[0, 1:n], ctx.group(Axis.TP),
                                         vocab_size=arch.vocab_size,
