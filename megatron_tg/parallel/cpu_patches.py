@@ -18,6 +18,9 @@ code the cluster runs. Measured on megatron-core 0.16.1 and 0.19.2.
    regions therefore still draws from per-TP-rank streams, as on GPU.
 4. ``transformer.utils.get_default_causal_mask`` / ``get_sliding_window_causal_mask``
    build masks with ``device="cuda"``; replaced by CPU versions (same shapes, same cache).
+   Only megatron's plain (unpacked) causal path reaches them (conversion parity). Training
+   and the weight-sync probe run packed rows in THD form, whose CPU core attention
+   (``models/qwen3_moe/attention.py``) builds no mask.
 5. The alltoall MoE dispatcher moves split sizes to the host on a side CUDA stream and
    syncs with an event. On CPU the tensors are already on the host; we convert them to
    numpy exactly as the GPU path does (``all_to_all_single`` wants host split sizes) and

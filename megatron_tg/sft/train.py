@@ -69,7 +69,7 @@ def group_loss(trainer, group: Sequence[SFTExample], denom: float) -> tuple[torc
             if ex.loss_mask[p]:  # the logits at p - 1 predict token p
                 rows.append(packed.flat(i, p - 1))
                 targets.append(ex.token_ids[p])
-    out = forward_hidden(trainer.model, packed.tokens, packed.position_ids, packed.attention_mask)
+    out = forward_hidden(trainer.model, packed)
     hidden = out.hidden.reshape(-1, out.hidden.shape[-1])[torch.tensor(rows, dtype=torch.long)]
     logp = fused_vocab_parallel_logprob(hidden, out.output_weight, torch.tensor(targets),
                                         trainer.ctx.group(Axis.TP), vocab_size=trainer.arch.vocab_size,

@@ -53,9 +53,9 @@ def ops_reduce_hidden_grad(model: torch.nn.Module) -> bool:
 
 
 def forward_rows(model: torch.nn.Module, rows: PackedRows) -> HiddenOutput:
-    """The one call into the model: its inputs are derived here from the packed rows, so a
-    change of the packed layout (e.g. THD) is an edit of this function only."""
-    return forward_hidden(model, rows.tokens, rows.position_ids, rows.attention_mask)
+    """The one call into the model: its inputs (THD tokens, positions, ``PackedSeqParams``)
+    are derived from the packed rows by :func:`~megatron_tg.train.policy.forward_hidden`."""
+    return forward_hidden(model, rows)
 
 
 def expert_hidden_states(expert_model: torch.nn.Module, mb: MicroBatch):
@@ -78,8 +78,8 @@ class MicroBatchResult:
 
 
 def _replay(model: torch.nn.Module, mb: MicroBatch):
-    b, width = mb.student.tokens.shape
-    return replay_routing(model, mb.routed_experts, mb.routed_layers, b, width)
+    # The model sees the packed rows as one THD sequence [1, B·S] (train/batching.py).
+    return replay_routing(model, mb.routed_experts, mb.routed_layers, 1, mb.student.tokens.numel())
 
 
 def _padding(mb: MicroBatch) -> MicroBatch:
@@ -97,7 +97,7 @@ def _schedule(model, step_fn, items: list, *, forward_only: bool,
 
     config = unwrap(model).config
     if mps.get_pipeline_model_parallel_world_size() > 1 and not config.variable_seq_lengths:
-        # Micro-batches differ in rows and width: stages must exchange shapes per micro-batch.
+        # Micro-batches differ in token count: stages must exchange shapes per micro-batch.
         raise ValueError("pipeline parallelism needs the model built with variable_seq_lengths=True")
     first = shape or items[0][1].student.tokens.shape
     return get_forward_backward_func()(

@@ -61,7 +61,7 @@ def _sync_fn(rank, world, state, hf_cfg, url, port, prompt):
     pad = (-seq.shape[1]) % 2
     tokens = torch.nn.functional.pad(seq, (0, pad))
     with torch.no_grad():
-        h = forward_hidden(model, tokens, torch.arange(tokens.shape[1])[None], None)
+        h = forward_hidden(model, tokens)
         n = len(box[0])
         rows = h.hidden[0, len(prompt) - 1:n - 1]
         lp = fused_vocab_parallel_logprob(rows, h.output_weight, seq[0, len(prompt):n],
