@@ -82,10 +82,13 @@ def make_samples(tok, cfg, state, n: int = 4, seed: int = 0) -> list[TrainSample
     return samples
 
 
-def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir, micro=1):
+def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir, micro=1,
+                 policy_kw=None):
     """For each layout ``(tp, ep, etp[, pp])`` and each objective config: one TG step of
     ``micro`` micro-batches per DP rank through megatron's schedule and DDP; returns loss
-    (summed over the micro-batches) and HF-named grads (results[layout][config])."""
+    (summed over the micro-batches) and HF-named grads (results[layout][config]).
+    ``policy_kw``: extra ``build_model`` arguments of the policy (e.g. recompute, routing
+    replay; with ``routing_replay`` the micro-batches carry the samples' routed experts)."""
     from megatron.core import parallel_state as mps
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig, finalize_model_grads)
@@ -107,7 +110,8 @@ def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir
         pp = rest[0] if rest else 1
         ctx = init_parallel(tp=tp, ep=ep, etp=etp, pp=pp)
         arch = Qwen3Arch.from_hf(hf_cfg)
-        model = build_model(arch, tp=tp, ep=ep, etp=etp, pp=pp)
+        policy_kw = policy_kw or {}
+        model = build_model(arch, tp=tp, ep=ep, etp=etp, pp=pp, **policy_kw)
         layout = current_layout(model=model)
         load_hf_weights(model, state, arch, layout)
         ddp = DistributedDataParallel(config=model.config,
@@ -120,7 +124,8 @@ def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir
             ddp.zero_grad_buffer()
             row = 2 * max(len(s.rollout.token_ids) for s in samples)
             groups = [g for g in (local[k::micro] for k in range(micro)) if g]
-            mbs = [build_micro_batch(g, tok, obj_cfg, row_tokens=row, pad_multiple=tp)
+            mbs = [build_micro_batch(g, tok, obj_cfg, row_tokens=row, pad_multiple=tp,
+                                     routing_replay=bool(policy_kw.get("routing_replay")))
                    for g in groups]
             objective = TGObjective(obj_cfg, group=ctx.group(Axis.TP),
                                     reduce_hidden_grad=ops_reduce_hidden_grad(ddp))
@@ -134,6 +139,9 @@ def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir
             outs = run_step(ddp, objective, mbs, build_pass_plan(mbs, ep=ep),
                             vocab_size=arch.vocab_size, expert_model=expert, **totals)
             loss = sum(o.loss for o in outs if o is not None)
+            from megatron_tg.train.routing import clear_replay
+
+            clear_replay(ddp)
             finalize_model_grads([ddp])
             grads = {}
             for name, p in model.named_parameters():

@@ -67,3 +67,21 @@ def test_pipeline_step_matches_single_stage(setup, world, layouts):
                               f"tp{tp} ep{ep} pp{pp} {obj.kl_direction}/{obj.expert}")
             print(f"tp{tp} ep{ep} pp{pp} {obj.kl_direction}/{obj.expert}: "
                   f"max |loss diff| {dl:.3g}, max |grad diff| {dg:.3g}")
+
+
+def test_recompute_under_1f1b_replays_each_micro_batchs_experts(setup):
+    """With routing replay and full activation recompute, 1F1B runs the next micro-batch's
+    forward before this one's backward; the recomputed forward must still replay its own
+    micro-batch's experts (megatron pops them first in, first out). The routers are flipped
+    (the trainer's free routing would differ from the engine's), so only replay agrees:
+    PP=2 with recompute equals PP=1 without."""
+    tok, cfg, state, samples, _ = setup
+    flipped = {k: (-v if k.endswith("mlp.gate.weight") else v) for k, v in state.items()}
+    obj = [CONFIGS[0]]
+    ref = run_distributed(step_rank_fn, 1, [(1, 1, 1, 1)], flipped, cfg, samples, obj,
+                          tok.name_or_path, MICRO, dict(routing_replay=True))[0][0]
+    out = run_distributed(step_rank_fn, 2, [(1, 1, 1, 2)], flipped, cfg, samples, obj,
+                          tok.name_or_path, MICRO, dict(routing_replay=True, recompute="full"))
+    dl, dg = _compare([o[0][0] for o in out], ref[0], 1, "pp2 recompute+replay")
+    print(f"pp2 full recompute + routing replay vs pp1: max |loss diff| {dl:.3g}, "
+          f"max |grad diff| {dg:.3g}")
