@@ -97,7 +97,7 @@ def _rank(rank, world, state, hf_cfg, tok_dir, cases, row_tokens, repeats):
 
     def student_fwd():
         with torch.no_grad():
-            forward_hidden(model, student.tokens, student.position_ids, student.attention_mask)
+            forward_hidden(model, student)
 
     best: dict = {}
     timed(student_fwd)  # warm-up (allocator, lazy init)

@@ -116,7 +116,8 @@ class TGConfig:
             try:
                 dims.check_model(num_layers=layers, num_attention_heads=heads,
                                  num_query_groups=hf.get("num_key_value_heads") or heads,
-                                 num_experts=self.model.num_experts() or None)
+                                 num_experts=self.model.num_experts() or None,
+                                 tied_embeddings=bool(hf.get("tie_word_embeddings", False)))
             except ValueError as exc:  # LayoutError
                 raise ConfigError(f"parallel: {exc} (model {self.model.hf_config})") from exc
         return dims

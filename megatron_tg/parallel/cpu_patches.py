@@ -18,6 +18,9 @@ code the cluster runs. Measured on megatron-core 0.16.1 and 0.19.2.
    regions therefore still draws from per-TP-rank streams, as on GPU.
 4. ``transformer.utils.get_default_causal_mask`` / ``get_sliding_window_causal_mask``
    build masks with ``device="cuda"``; replaced by CPU versions (same shapes, same cache).
+   Only megatron's plain (unpacked) causal path reaches them (conversion parity). Training
+   and the weight-sync probe run packed rows in THD form, whose CPU core attention
+   (``models/qwen3_moe/attention.py``) builds no mask.
 5. The alltoall MoE dispatcher moves split sizes to the host on a side CUDA stream and
    syncs with an event. On CPU the tensors are already on the host; we convert them to
    numpy exactly as the GPU path does (``all_to_all_single`` wants host split sizes) and
@@ -50,6 +53,15 @@ CPU tests run the optimizer the GPU recipes use:
    ``Tensor.type()`` without arguments answers the CUDA name of a CPU tensor's type; the
    converting form ``t.type(dtype)`` is untouched.
 
+The pipeline schedules need one more:
+
+10. ``pipeline_parallel/schedules.py`` allocates its token counter with a literal
+    ``device="cuda"`` (``total_num_tokens`` in every schedule, PP = 1 included). That module's
+    ``torch`` name is pointed at a proxy of torch whose factory functions map ``"cuda"`` to
+    the CPU; every other attribute is torch's own. ``p2p_communication.py`` needs nothing
+    more: it allocates on ``torch.cuda.current_device()`` (1) and its
+    ``torch.cuda.synchronize()`` after ``batch_isend_irecv`` is the no-op of (2).
+
 Everything is idempotent; :func:`apply_cpu_patches` returns the list of patches applied.
 """
 
@@ -81,6 +93,7 @@ def apply_cpu_patches() -> list[str]:
     _patch_uneven_collectives()
     _patch_moe()
     _patch_optimizer()
+    _patch_schedules()
     log.debug("megatron CPU patches applied: %s", _APPLIED)
     return list(_APPLIED)
 
@@ -338,3 +351,13 @@ def _patch_optimizer() -> None:
     _APPLIED.extend(["optimizer/grad_scaler/clip_grads/utils device='cuda'->cpu",
                      "optimizer Tensor.type() CUDA names in DistributedOptimizer/"
                      "Float16Optimizer __init__ and clip_grad_by_total_norm_fp32"])
+
+
+# ---- (10): the pipeline schedules ---------------------------------------------------------
+def _patch_schedules() -> None:
+    # (10) the schedules' literal device="cuda" allocations.
+    from megatron.core.pipeline_parallel import schedules
+
+    if not isinstance(schedules.torch, _CPUFactories):
+        schedules.torch = _CPUFactories()
+    _APPLIED.append("pipeline_parallel.schedules torch factories device=cuda->cpu")

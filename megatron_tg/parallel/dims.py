@@ -108,8 +108,16 @@ class ParallelDims:
         return getattr(self, axis.value)
 
     def check_model(self, *, num_layers: int, num_attention_heads: int,
-                    num_query_groups: int, num_experts: int | None) -> None:
-        """Raise :class:`LayoutError` when the model cannot be split this way."""
+                    num_query_groups: int, num_experts: int | None,
+                    tied_embeddings: bool = False) -> None:
+        """Raise :class:`LayoutError` when the model cannot be split this way (or this layout
+        is one the trainer does not run)."""
+        if tied_embeddings and self.pp > 1:
+            # megatron keeps a copy of a tied output weight on the last stage; the HF mapping,
+            # weight sync and export know only the first stage's embedding (Qwen3-MoE
+            # checkpoints are untied).
+            raise LayoutError(f"pp={self.pp} with tied word embeddings is not supported "
+                              "(tie_word_embeddings=true in the model's config); use pp=1")
         if num_attention_heads % self.tp:
             raise LayoutError(f"num_attention_heads={num_attention_heads} not divisible by tp={self.tp}")
         if num_query_groups % self.tp and self.tp % num_query_groups:
@@ -124,7 +132,8 @@ class ParallelDims:
     def check_arch(self, arch: ModelShape) -> None:
         """:meth:`check_model` for a model architecture (e.g. ``Qwen3Arch``)."""
         self.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
-                         num_query_groups=arch.num_key_value_heads, num_experts=arch.num_experts)
+                         num_query_groups=arch.num_key_value_heads, num_experts=arch.num_experts,
+                         tied_embeddings=bool(getattr(arch, "tie_word_embeddings", False)))
 
     def rank_groups(self, axis: Axis) -> list[list[int]]:
         """The ranks of every ``axis`` group, as megatron-core forms them in its default order."""

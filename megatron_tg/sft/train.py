@@ -69,7 +69,7 @@ def group_loss(trainer, group: Sequence[SFTExample], denom: float) -> tuple[torc
             if ex.loss_mask[p]:  # the logits at p - 1 predict token p
                 rows.append(packed.flat(i, p - 1))
                 targets.append(ex.token_ids[p])
-    out = forward_hidden(trainer.model, packed.tokens, packed.position_ids, packed.attention_mask)
+    out = forward_hidden(trainer.model, packed)
     hidden = out.hidden.reshape(-1, out.hidden.shape[-1])[torch.tensor(rows, dtype=torch.long)]
     logp = fused_vocab_parallel_logprob(hidden, out.output_weight, torch.tensor(targets),
                                         trainer.ctx.group(Axis.TP), vocab_size=trainer.arch.vocab_size,
@@ -113,6 +113,9 @@ def run_sft(cfg, *, log_every: int = 1) -> dict[str, float]:
     s = cfg.sft
     if not s.data:
         raise ConfigError("sft.data: empty; name a JSONL of transcripts ({\"messages\": [...]} per line)")
+    if cfg.parallel.pp > 1:  # before any rank starts: its loss calls the model directly
+        raise ConfigError(f"parallel.pp={cfg.parallel.pp}: the SFT warm start runs at pp=1 only "
+                          "(the RL trainer's step runs through the pipeline schedules)")
     trainer = Trainer(cfg)
     trainer.resume()
     dp, dp_rank = trainer.ctx.dims.dp, trainer.ctx.rank_in(Axis.DP)

@@ -4,9 +4,11 @@ Layout contract (what :mod:`megatron_tg.train.step` and the loss rely on):
 
 - Sequences are packed first-fit-decreasing into rows of at most ``row_tokens`` tokens; a row
   is padded to a multiple of ``pad_multiple`` (TP, because sequence parallelism splits the
-  sequence). Packed sequences never attend to each other: the attention mask is block-
-  diagonal causal. RoPE needs no per-sequence offset because attention scores depend only
-  on relative positions, which a shared shift within a block leaves unchanged.
+  sequence). The model runs the ``[B, S]`` rows as one sequence of ``B * S`` tokens in
+  megatron's THD form (:meth:`PackedRows.packed_seq_params`): every packed sequence is a
+  segment of ``cu_seqlens`` and so is each row's padding, attention is causal within a
+  segment and never crosses one, and no mask tensor exists (memory linear in the tokens).
+  RoPE positions restart at 0 in every segment (megatron's THD RoPE).
 - Student position ``p`` of a sequence predicts its token ``p + 1``; a row is in the loss iff
   that token is an assistant token. Rows are addressed by flat index ``b * S + s`` into the
   ``[B, S, ...]`` output of the policy.
@@ -53,16 +55,26 @@ class TrainSample:
 
 @dataclass
 class PackedRows:
-    """Sequences packed into ``[B, S]`` token rows with a block-diagonal causal mask."""
+    """Sequences packed into ``[B, S]`` token rows, run as one THD sequence of ``B·S`` tokens."""
 
     tokens: torch.Tensor          # [B, S] long
-    attention_mask: torch.Tensor  # [B, 1, S, S] bool, True = masked (megatron's convention)
-    position_ids: torch.Tensor    # [B, S] long, restarting at 0 for every packed sequence
+    position_ids: torch.Tensor    # [B, S] long, restarting at 0 for every segment
     offsets: list[tuple[int, int]]  # per input sequence: (row, start column)
+    cu_seqlens: torch.Tensor      # [segments + 1] int32, segment bounds in flat b·S + s order
+    max_seqlen: int               # longest segment
 
     def flat(self, seq: int, pos: int) -> int:
         row, start = self.offsets[seq]
         return row * self.tokens.shape[1] + start + pos
+
+    def packed_seq_params(self, device: torch.device | str | None = None):
+        """megatron's ``PackedSeqParams`` for the flattened rows: one ``cu_seqlens`` tensor for
+        queries and keys (a core attention tells the prefix-reuse pass by a different one)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens.to(device) if device is not None else self.cu_seqlens
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
 
 def pack(sequences: Sequence[Sequence[int]], row_tokens: int, pad_multiple: int = 1,
@@ -74,6 +86,8 @@ def pack(sequences: Sequence[Sequence[int]], row_tokens: int, pad_multiple: int 
     the prefix's keys (attention work per row stays within budget², as without reuse)."""
     if not sequences:
         raise ValueError("nothing to pack")
+    if any(len(s) == 0 for s in sequences):
+        raise ValueError(f"sequence {[len(s) for s in sequences].index(0)} is empty")
     cost = [len(s) for s in sequences] if cost is None else list(cost)
     longest = max(cost)
     if longest > row_tokens:
@@ -95,23 +109,24 @@ def pack(sequences: Sequence[Sequence[int]], row_tokens: int, pad_multiple: int 
     width = -(-width // pad_multiple) * pad_multiple
     tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
-    allowed = torch.zeros((len(rows), width, width), dtype=torch.bool)
     offsets: list[tuple[int, int]] = [(0, 0)] * len(sequences)
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    seglens: list[int] = []
     for r, members in enumerate(rows):
         col = 0
         for i in members:
             n = len(sequences[i])
             tokens[r, col:col + n] = torch.as_tensor(list(sequences[i]), dtype=torch.long)
             positions[r, col:col + n] = torch.arange(n)
-            allowed[r, col:col + n, col:col + n] = causal[:n, :n]
             offsets[i] = (r, col)
+            seglens.append(n)
             col += n
-        # Padding rows attend to themselves only, so softmax never sees an empty row.
-        idx = torch.arange(col, width)
-        allowed[r, idx, idx] = True
-    return PackedRows(tokens=tokens, attention_mask=~allowed.unsqueeze(1),
-                      position_ids=positions, offsets=offsets)
+        if col < width:  # the row's padding: a segment of its own, attending only to itself
+            positions[r, col:] = torch.arange(width - col)
+            seglens.append(width - col)
+    cu = torch.zeros(len(seglens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(seglens).cumsum(0)
+    return PackedRows(tokens=tokens, position_ids=positions, offsets=offsets, cu_seqlens=cu,
+                      max_seqlen=max(seglens))
 
 
 @dataclass

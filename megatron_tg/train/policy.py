@@ -6,10 +6,12 @@ shard, and in backward reduce-scatters the partial input gradient. :func:`forwar
 runs the same model with that last layer swapped for the gather alone, so the caller gets
 the full-sequence hidden states ``[B, S, H]`` (identical on every TP rank) plus the output
 weight shard, and the fused vocab-parallel ops compute log-probs/KL only at the rows that
-carry a loss. The gather keeps the output layer's backward (a reduce-scatter that sums the
-TP ranks' partial gradients), so the ops are told not to all-reduce that gradient again
-(``reduce_hidden_grad=False``); without sequence parallelism the hidden states are
-replicated and the ops all-reduce it themselves (``reduce_hidden_grad=True``).
+carry a loss. Packed rows run in megatron's THD form (one sequence of ``B·S`` tokens with
+``PackedSeqParams``); callers pass the packed rows, never a mask. The gather keeps the
+output layer's backward (a reduce-scatter that sums the TP ranks' partial gradients), so
+the ops are told not to all-reduce that gradient again (``reduce_hidden_grad=False``);
+without sequence parallelism the hidden states are replicated and the ops all-reduce it
+themselves (``reduce_hidden_grad=True``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import torch
 
 @dataclass
 class HiddenOutput:
-    hidden: torch.Tensor          # [B, S, H], full sequence, replicated over TP
-    output_weight: torch.Tensor   # [V_pad / TP, H] this rank's vocabulary shard
+    hidden: torch.Tensor          # [B, S, H], full sequence, replicated over TP; on a pipeline
+    #                               stage before the last: the stage's output [S/TP, B, H]
+    output_weight: torch.Tensor | None  # [V_pad / TP, H] this rank's vocabulary shard (None
+    #                                     before the last stage, which alone holds it)
     reduce_hidden_grad: bool      # pass to the fused ops / TGObjective
 
 
@@ -66,11 +70,37 @@ def output_weight(gpt) -> torch.Tensor:
     return gpt.output_layer.weight
 
 
-def forward_hidden(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor,
-                   attention_mask: torch.Tensor | None) -> HiddenOutput:
-    """Run ``model`` (possibly DDP-wrapped) and return the output layer's input."""
+def forward_hidden(model: torch.nn.Module, batch, position_ids: torch.Tensor | None = None
+                   ) -> HiddenOutput:
+    """Run ``model`` (possibly DDP-wrapped) and return the output layer's input.
+
+    ``batch`` is either packed rows (:class:`~megatron_tg.train.batching.PackedRows`: the
+    ``[B, S]`` rows run as one THD sequence of ``B·S`` tokens, causal within each packed
+    sequence) or a ``[B, S]`` token tensor run plainly (each row one causal sequence, with
+    ``position_ids``). Either way ``hidden`` is ``[B, S, H]``: flat row ``b·S + s`` is
+    token ``s`` of row ``b``, the index the micro-batch fields use.
+
+    Under pipeline parallelism a stage other than the last has no output layer: it returns
+    its decoder output as it is (``[B·S / TP, 1, H]`` for packed rows), which the schedule
+    sends to the next stage (whose input comes from ``set_input_tensor``, not ``tokens``)."""
     gpt = unwrap(model)
+    device = next(gpt.parameters()).device
+    if hasattr(batch, "packed_seq_params"):
+        shape = batch.tokens.shape
+        tokens = batch.tokens.reshape(1, -1).to(device)
+        position_ids = batch.position_ids.reshape(1, -1).to(device)
+        params = batch.packed_seq_params(device)
+    else:
+        shape, tokens, params = batch.shape, batch.to(device), None
+        if position_ids is None:
+            position_ids = torch.arange(shape[1], device=device).expand(shape[0], -1)
+        position_ids = position_ids.to(device)
+    if not gpt.post_process:
+        return HiddenOutput(hidden=model(tokens, position_ids, None, packed_seq_params=params),
+                            output_weight=None,
+                            reduce_hidden_grad=not bool(gpt.config.sequence_parallel))
     with _hidden_mode(gpt) as layer:
-        hidden = model(tokens, position_ids, attention_mask)  # GPTModel returns [B, S, H]
-    return HiddenOutput(hidden=hidden, output_weight=output_weight(gpt),
+        hidden = model(tokens, position_ids, None, packed_seq_params=params)  # [b, s, H]
+    return HiddenOutput(hidden=hidden.reshape(*shape, hidden.shape[-1]),
+                        output_weight=output_weight(gpt),
                         reduce_hidden_grad=not bool(layer.sequence_parallel))

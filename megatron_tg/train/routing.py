@@ -72,7 +72,7 @@ def replay_routing(model: torch.nn.Module, ids: torch.Tensor | None, layers: Seq
     """Within the block, this model's routers replay ``ids`` (see the module docstring).
 
     ``ids`` is None: no replay (the block routes freely). Call :func:`replay_backward`
-    before the backward of the same micro-batch, and :func:`clear_replay` after it."""
+    before the backward of the same micro-batch, and :func:`clear_replay` after the step."""
     if ids is None:
         yield
         return
@@ -92,7 +92,8 @@ def replay_routing(model: torch.nn.Module, ids: torch.Tensor | None, layers: Seq
         if layer not in slot:
             raise ValueError(f"routed experts hold layers {list(layers)}, not MoE layer {layer}")
         replay = router.router_replay
-        replay.clear_indices()
+        # No clearing here: under 1F1B the next micro-batch's forward runs before this one's
+        # backward, and a recomputed backward pops the ids first-in first-out.
         replay.set_target_indices(local[:, slot[layer]].long().contiguous())
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
@@ -113,7 +114,7 @@ def replay_backward(model: torch.nn.Module) -> None:
 
 
 def clear_replay(model: torch.nn.Module) -> None:
-    """After the backward: drop this micro-batch's ids (they would accumulate) and actions."""
+    """After the step's backward: drop the ids (they would accumulate) and actions."""
     for _, router in moe_routers(model):
         replay = getattr(router, "router_replay", None)
         if replay is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -30,9 +29,10 @@ from megatron_tg.train.checkpoint import Checkpointer
 from megatron_tg.train.ema import ShardedEMA
 from megatron_tg.train.optim import build_optimizer
 from megatron_tg.train.policy import unwrap
-from megatron_tg.train.routing import clear_replay, replay_backward
+from megatron_tg.train.pass_plan import build_pass_plan
+from megatron_tg.train.routing import clear_replay
 from megatron_tg.train.samples import TurnStats, TurnStatsAccumulator
-from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
+from megatron_tg.train.step import ops_reduce_hidden_grad, run_step
 
 _EXTREMA = ("_max", "_min")  # metric keys combined by max/min, not averaged
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,8 +89,11 @@ class Trainer:
         # The EMA expert's fp32 average, sharded like the optimizer's fp32 main parameters.
         self.ema = (ShardedEMA(self.optimizer, self.expert_model, model, cfg.objective.ema_decay)
                     if cfg.objective.expert == "ema" else None)
-        # Only the live-weight expert shares the student's keys/values.
-        self.prefix_reuse = cfg.objective.expert == "shared" and cfg.objective.expert_prefix_reuse
+        # Only the live-weight expert shares the student's keys/values, and only at PP = 1:
+        # under PP the expert pass must reach the last stage before the student's loss there,
+        # so it runs as its own schedule over whole expert sequences (docs/micro-batch.md §6).
+        self.prefix_reuse = (cfg.objective.expert == "shared" and cfg.objective.expert_prefix_reuse
+                             and self.ctx.dims.pp == 1)
         self.objective = TGObjective(cfg.objective, group=self.ctx.group(Axis.TP),
                                      reduce_hidden_grad=ops_reduce_hidden_grad(self.model))
         tok_dir = cfg.model.tokenizer or cfg.model.hf_checkpoint or cfg.model.hf_config
@@ -193,25 +196,16 @@ class Trainer:
                       num_assistant_tokens=float(sum(int(mb.loss_mask.sum()) for mb in batches)),
                       num_gated_tokens=float(sum(float(mb.gate.sum()) for mb in batches)))
         turn_stats = TurnStatsAccumulator() if self.cfg.logging.samples_per_step else None
-        plan = self._lockstep_plan(batches)
-        for i, need_expert in enumerate(plan):
-            padding = i >= len(batches)
-            # A padding micro-batch repeats the first one without its expert part, so that
-            # its expert pass happens exactly when the plan says (as a dummy if at all).
-            mb = batches[i] if not padding else replace(
-                batches[0], expert=None, expert_rows=batches[0].expert_rows[:0],
-                gate=torch.zeros_like(batches[0].gate), expert_prefix=None)
-            out = micro_batch_loss(self.model, self.objective, mb, vocab_size=self.arch.vocab_size,
-                                   expert_model=self.expert_model, expert_lockstep=need_expert,
-                                   prefix_reuse=self.prefix_reuse, **totals)
-            replay_backward(self.model)  # a recomputed forward replays the same experts
-            if padding:  # collectives only: this rank's data is used up, add nothing
-                (out.loss * 0.0).backward()
-                clear_replay(self.model)
+        # Which passes run per micro-batch on every rank (EP lock-step, padding): decided once.
+        plan = build_pass_plan(batches, ep=self.ctx.dims.ep)
+        results = run_step(self.model, self.objective, batches, plan,
+                           vocab_size=self.arch.vocab_size, expert_model=self.expert_model,
+                           prefix_reuse=self.prefix_reuse, **totals)
+        clear_replay(self.model)  # the replayed ids accumulate over the step otherwise
+        for passes, out in zip(plan, results):
+            if passes.padding:
                 continue
-            group = micro[i]
-            out.loss.backward()
-            clear_replay(self.model)  # the ids accumulate otherwise
+            mb, group = batches[passes.source], micro[passes.source]
             if turn_stats is not None:
                 turn_stats.add(mb, group, out.rows)
             for k, v in {"loss": out.loss, **out.metrics}.items():
@@ -244,21 +238,6 @@ class Trainer:
         if event is not None:
             metrics["kl/guard_event"] = 1.0
         return metrics
-
-    def _lockstep_plan(self, batches) -> list[bool]:
-        """With expert parallelism the MoE all-to-alls span data-parallel ranks, so every rank
-        must run the same number of micro-batches and the same expert passes, whatever its
-        own data. Returns, per micro-batch index, whether any rank runs an expert pass; ranks
-        with fewer micro-batches pad with zero-weight repeats. Without EP: no communication."""
-        own = [mb.expert is not None and mb.expert_rows.numel() > 0 for mb in batches]
-        if self.ctx.dims.ep == 1:
-            return own
-        n = torch.tensor([len(batches)], dtype=torch.long)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        flags = torch.zeros(int(n), dtype=torch.long)
-        flags[: len(own)] = torch.tensor(own, dtype=torch.long)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return [bool(f) for f in flags.tolist()]
 
     def _union_over_dp(self, stats: TurnStats) -> TurnStats:
         """Every DP rank's per-turn records, on every rank (rollout ids are disjoint)."""

@@ -241,17 +241,18 @@ def probe_tokens(vocab_size: int, n: int, seed: int = 1234) -> list[int]:
 def trainer_logprobs(model: torch.nn.Module, arch: Qwen3Arch, ctx, tokens: list[int]) -> torch.Tensor:
     """log p(tokens[i] | tokens[:i]) for i >= 1 under the trainer's weights (collective)."""
     from megatron_tg.ops import fused_vocab_parallel_logprob
-    from megatron_tg.train.policy import forward_hidden
-    from megatron_tg.train.step import ops_reduce_hidden_grad
+    from megatron_tg.train.batching import pack
+    from megatron_tg.train.step import ops_reduce_hidden_grad, run_forward
 
-    seq = torch.tensor([tokens])
     tp = ctx.dims.tp
-    padded = torch.nn.functional.pad(seq, (0, (-seq.shape[1]) % tp))  # sequence parallel splits by tp
-    h = forward_hidden(model, padded, torch.arange(padded.shape[1])[None], None)
+    # One packed row (sequence parallelism splits it by tp); under PP the last stage
+    # computes the log-probs and the pipeline receives them.
+    rows = pack([tokens], row_tokens=len(tokens), pad_multiple=tp)
     n = len(tokens)
-    return fused_vocab_parallel_logprob(h.hidden[0, :n - 1], h.output_weight, seq[0, 1:n], ctx.group(Axis.TP),
-                                        vocab_size=arch.vocab_size,
-                                        reduce_hidden_grad=ops_reduce_hidden_grad(model)).float()
+    target = torch.tensor(tokens[1:n])
+    return run_forward(model, rows, lambda h: fused_vocab_parallel_logprob(
+        h.hidden[0, :n - 1], h.output_weight, target, ctx.group(Axis.TP),
+        vocab_size=arch.vocab_size, reduce_hidden_grad=ops_reduce_hidden_grad(model)).float().cpu())
 
 
 async def engine_logprobs(client, url: str, tokens: list[int]) -> torch.Tensor:
@@ -317,9 +318,6 @@ def probe_engines(trainer, call, client, checks: SyncChecks, servers=None) -> di
     Rank 0 asks every engine (``call`` runs a coroutine on the rollout side's loop); the
     verdict is broadcast so that every rank stops together when an engine is wrong."""
     ctx = trainer.ctx
-    if ctx.dims.pp > 1:  # the probe runs the trainer's forward in a single stage
-        log.warning("rollout.sync_probe_interval: the log-prob probe needs parallel.pp=1; skipped")
-        return {}
     tokens = probe_tokens(trainer.arch.vocab_size, checks.probe_tokens)
     mine = trainer_logprobs(trainer.model, trainer.arch, ctx, tokens)
     verdict: float | str | None = None

@@ -58,3 +58,15 @@ def test_check_arch_reads_the_model_shape():
     ParallelDims.smallest(tp=4, pp=2, ep=8).check_arch(arch)
     with pytest.raises(LayoutError, match="num_layers=94 not divisible by pp=4"):
         ParallelDims.smallest(pp=4).check_arch(arch)
+
+
+def test_pipeline_with_tied_embeddings_is_refused_at_config_time():
+    import pytest
+
+    from megatron_tg.parallel.dims import LayoutError, ParallelDims
+
+    shape = dict(num_layers=4, num_attention_heads=4, num_query_groups=2, num_experts=4)
+    ParallelDims.smallest(pp=2).check_model(**shape)  # untied: fine
+    ParallelDims.smallest(pp=1).check_model(**shape, tied_embeddings=True)
+    with pytest.raises(LayoutError, match="pp=2 with tied word embeddings"):
+        ParallelDims.smallest(pp=2).check_model(**shape, tied_embeddings=True)

@@ -82,9 +82,13 @@ def make_samples(tok, cfg, state, n: int = 4, seed: int = 0) -> list[TrainSample
     return samples
 
 
-def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir):
-    """For each layout and each objective config: one TG micro-batch per DP rank through
-    megatron DDP; returns loss and HF-named grads (results[layout][config])."""
+def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir, micro=1,
+                 policy_kw=None):
+    """For each layout ``(tp, ep, etp[, pp])`` and each objective config: one TG step of
+    ``micro`` micro-batches per DP rank through megatron's schedule and DDP; returns loss
+    (summed over the micro-batches) and HF-named grads (results[layout][config]).
+    ``policy_kw``: extra ``build_model`` arguments of the policy (e.g. recompute, routing
+    replay; with ``routing_replay`` the micro-batches carry the samples' routed experts)."""
     from megatron.core import parallel_state as mps
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig, finalize_model_grads)
@@ -97,15 +101,18 @@ def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir
     from megatron_tg.parallel.dims import Axis
     from megatron_tg.parallel.state import init_parallel
     from megatron_tg.train.batching import build_micro_batch
-    from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
+    from megatron_tg.train.pass_plan import build_pass_plan
+    from megatron_tg.train.step import ops_reduce_hidden_grad, run_step
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     results = []
-    for tp, ep, etp in layouts:
-        ctx = init_parallel(tp=tp, ep=ep, etp=etp)
+    for tp, ep, etp, *rest in layouts:
+        pp = rest[0] if rest else 1
+        ctx = init_parallel(tp=tp, ep=ep, etp=etp, pp=pp)
         arch = Qwen3Arch.from_hf(hf_cfg)
-        model = build_model(arch, tp=tp, ep=ep, etp=etp)
-        layout = current_layout()
+        policy_kw = policy_kw or {}
+        model = build_model(arch, tp=tp, ep=ep, etp=etp, pp=pp, **policy_kw)
+        layout = current_layout(model=model)
         load_hf_weights(model, state, arch, layout)
         ddp = DistributedDataParallel(config=model.config,
                                       ddp_config=DistributedDataParallelConfig(
@@ -115,17 +122,26 @@ def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir
         per_cfg = []
         for obj_cfg in obj_cfgs:
             ddp.zero_grad_buffer()
-            mb = build_micro_batch(local, tok, obj_cfg, row_tokens=2 * max(
-                len(s.rollout.token_ids) for s in samples), pad_multiple=tp)
+            row = 2 * max(len(s.rollout.token_ids) for s in samples)
+            groups = [g for g in (local[k::micro] for k in range(micro)) if g]
+            mbs = [build_micro_batch(g, tok, obj_cfg, row_tokens=row, pad_multiple=tp,
+                                     routing_replay=bool(policy_kw.get("routing_replay")))
+                   for g in groups]
             objective = TGObjective(obj_cfg, group=ctx.group(Axis.TP),
                                     reduce_hidden_grad=ops_reduce_hidden_grad(ddp))
             expert = None
             if obj_cfg.expert != "shared":  # a separate expert with its own (different) weights
-                expert = build_model(arch, tp=tp, ep=ep, etp=etp)
+                expert = build_model(arch, tp=tp, ep=ep, etp=etp, pp=pp)
                 load_hf_weights(expert, {k: v * 1.1 for k, v in state.items()}, arch, layout)
-            out = micro_batch_loss(ddp, objective, mb, vocab_size=arch.vocab_size,
-                                   expert_model=expert)
-            out.loss.backward()
+            totals = dict(num_rollouts=len(local),
+                          num_assistant_tokens=float(sum(int(m.loss_mask.sum()) for m in mbs)),
+                          num_gated_tokens=float(sum(float(m.gate.sum()) for m in mbs)))
+            outs = run_step(ddp, objective, mbs, build_pass_plan(mbs, ep=ep),
+                            vocab_size=arch.vocab_size, expert_model=expert, **totals)
+            loss = sum(o.loss for o in outs if o is not None)
+            from megatron_tg.train.routing import clear_replay
+
+            clear_replay(ddp)
             finalize_model_grads([ddp])
             grads = {}
             for name, p in model.named_parameters():
@@ -137,7 +153,8 @@ def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir
                 for hf_name, t in to_hf(name, merge_tp_shards(name, shards, arch, layout), arch,
                                         layout):
                     grads[hf_name] = t
-            per_cfg.append(dict(loss=out.loss.detach(), grads=grads,
-                                tp_rank=ctx.rank_in(Axis.TP), n_gated=int(mb.gate.sum())))
+            per_cfg.append(dict(loss=loss, grads=grads, tp_rank=ctx.rank_in(Axis.TP),
+                                pp_rank=ctx.rank_in(Axis.PP),
+                                n_gated=int(sum(float(m.gate.sum()) for m in mbs))))
         results.append(per_cfg)
     return results

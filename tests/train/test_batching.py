@@ -1,8 +1,9 @@
 """The student / expert packing path of :mod:`megatron_tg.train.batching` on the megatron policy.
 
-1. Packing is exact: per-token log-probs from packed rows (several rollouts per row, block-
-   diagonal causal mask) and from one-rollout-per-row batches equal those of a plain forward
-   over each rollout alone, at TP=1 and TP=2 (sequence parallel, padded rows).
+1. Packing is exact: per-token log-probs from packed rows (several rollouts per row, run as
+   one THD sequence with ``PackedSeqParams``) and from one-rollout-per-row batches equal those
+   of a plain (unpacked, no ``PackedSeqParams``) forward over each rollout alone, at TP=1 and
+   TP=2 (sequence parallel, padded rows).
 2. The expert pass is the feedback-conditioned model: the expert hidden states that
    ``build_micro_batch`` + ``expert_hidden_states`` keep at the gated rows give the same logits
    as a plain forward over the expert context built here *independently* — the conversation
@@ -122,14 +123,14 @@ def _rank_fn(rank, world, tp, state, hf_cfg, samples, contexts, tok_dir):
         return torch.cat(parts, dim=-1)[:, :arch.vocab_size]
 
     def plain(ids):
-        """Causal forward over one sequence alone (no packing mask), padded at the end to a
+        """Causal forward over one sequence alone (plain [1, S] input, not THD), padded at the end to a
         multiple of TP for sequence parallelism (a causal model ignores what comes later)."""
         n = len(ids)
         width = -(-n // tp) * tp
         t = torch.zeros(1, width, dtype=torch.long)
         t[0, :n] = torch.tensor(ids)
         with torch.no_grad():
-            out = forward_hidden(model, t, torch.arange(width).unsqueeze(0), None)
+            out = forward_hidden(model, t)  # no PackedSeqParams: megatron's causal path
         return logits(out.hidden[0, :n], out.output_weight)
 
     def token_logprobs(logit_rows, ids):
@@ -138,7 +139,7 @@ def _rank_fn(rank, world, tp, state, hf_cfg, samples, contexts, tok_dir):
 
     def packed_logprobs(rows):
         with torch.no_grad():
-            out = forward_hidden(model, rows.tokens, rows.position_ids, rows.attention_mask)
+            out = forward_hidden(model, rows)
         flat = out.hidden.reshape(-1, out.hidden.shape[-1])
         res = []
         for k, s in enumerate(samples):
@@ -171,11 +172,9 @@ def _rank_fn(rank, world, tp, state, hf_cfg, samples, contexts, tok_dir):
             gpt = unwrap(model)
             with torch.no_grad():
                 with record_kv(gpt) as store:
-                    forward_hidden(model, mb.student.tokens, mb.student.position_ids,
-                                   mb.student.attention_mask)
+                    forward_hidden(model, mb.student)
                 with reuse_kv(gpt, store, mb.expert_prefix):
-                    out = forward_hidden(model, mb.expert.tokens, mb.expert.position_ids,
-                                         mb.expert.attention_mask)
+                    out = forward_hidden(model, mb.expert)
             rows = out.hidden.reshape(-1, out.hidden.shape[-1])[mb.expert_rows]
             result["reuse"][(mode, budget)] = logits(rows, out.output_weight)
             result["reuse_tokens"][(mode, budget)] = int((mb.expert.tokens != 0).sum())
@@ -365,22 +364,29 @@ def test_expert_sequence_longer_than_row_budget(gate_samples):
     _check_expert_alignment(mb)
 
 
-def test_pack_block_diagonal_mask():
+def test_pack_thd_segments():
+    """Every packed sequence is one THD segment at its flat offset, each row's padding is a
+    segment of its own, and no mask tensor exists."""
     seqs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     rows = pack(seqs, row_tokens=5, pad_multiple=4)
     assert rows.tokens.shape == (2, 8)
-    allowed = ~rows.attention_mask[:, 0]
+    assert not hasattr(rows, "attention_mask")
+    cu = rows.cu_seqlens.tolist()
+    assert rows.cu_seqlens.dtype == torch.int32 and cu[0] == 0 and cu[-1] == rows.tokens.numel()
+    segments = list(zip(cu[:-1], cu[1:]))
     for i, s in enumerate(seqs):
         r, c = rows.offsets[i]
         n = len(s)
         assert rows.tokens[r, c:c + n].tolist() == s
         assert rows.position_ids[r, c:c + n].tolist() == list(range(n))
-        block = allowed[r, c:c + n]
-        # causal inside its own block, nothing outside it
-        assert torch.equal(block[:, c:c + n], torch.ones(n, n, dtype=torch.bool).tril())
-        assert block.sum() == n * (n + 1) // 2
-    # padding positions attend to themselves only
+        assert (rows.flat(i, 0), rows.flat(i, 0) + n) in segments
+    # padding: the rest of each row, one segment per row
     for r in range(2):
         used = sum(len(seqs[i]) for i, (rr, _) in enumerate(rows.offsets) if rr == r)
-        for p in range(used, 8):
-            assert allowed[r, p].nonzero().squeeze(1).tolist() == [p]
+        assert (r * 8 + used, r * 8 + 8) in segments
+    assert len(segments) == len(seqs) + 2 and rows.max_seqlen == 4
+    p = rows.packed_seq_params()
+    assert p.qkv_format == "thd" and p.cu_seqlens_q is p.cu_seqlens_kv
+    assert p.max_seqlen_q == p.max_seqlen_kv == 4
+    with pytest.raises(ValueError, match="sequence 1 is empty"):
+        pack([[1], []], row_tokens=4)

@@ -1,11 +1,13 @@
 """GPU twins of the model checks in ``test_batching.py``, on the Transformer-Engine spec.
 
-What only a GPU can check: Transformer Engine's attention honours the trainer's masks. The
-TE spec is built with ``attn_mask_type=arbitrary`` (``megatron_tg.models.qwen3_moe.model``)
-because TE ignores the mask of a ``causal`` attention: packed rows would attend across
-sequences, and the expert's prefix-reuse pass (more keys than queries) would be wrong.
+What only a GPU can check: Transformer Engine's attention honours the trainer's THD
+``PackedSeqParams``. The TE spec keeps ``attn_mask_type=causal`` (megatron sends TE
+``padding_causal`` under THD); the expert's prefix-reuse pass (more keys than queries per
+segment) goes through the TE subclass that sends ``padding_causal_bottom_right``
+(``megatron_tg.models.qwen3_moe.attention``).
 
-1. packed rows (block-diagonal causal mask) give each sequence's plain forward log-probs;
+1. packed rows (one THD sequence, a segment per rollout) give each sequence's plain forward
+   log-probs;
 2. the prefix-reuse expert pass gives the full expert pass's logits at the gated rows.
 
 CPU twins: ``test_packed_and_unpacked_logprobs_equal_plain_forward`` and
@@ -14,10 +16,10 @@ the ``local`` parametrisation below, which runs this file's own code on the loca
 
 bf16 is checked against noise, not a fixed tolerance: packed-row and prefix-reuse log-probs
 must be as close to the fp32 reference as the plain bf16 forward is (RMS over every token),
-and a deliberately leaking mask (one causal mask over the whole packed row) must land far
+and deliberately leaking segments (one THD segment over the whole packed row) must land far
 outside that band, so the check can see a leak. On the local spec (CPU) the plain bf16
-forward's RMS error is 0.021 nats, packed rows 0.022, the leak 0.42 (printed by a run of
-the ``local`` case with ``-s``).
+forward's RMS error is 0.0209 nats, packed rows 0.0209, the leak 0.4251 (printed by
+``pytest tests/train/test_batching_gpu.py -s -k "local and bf16"``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def _rank_fn(rank, world, state, hf_cfg, samples, tok_dir, dtype_name, use_te=Tr
     from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
     from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
     from megatron_tg.parallel.state import init_parallel
+    import dataclasses
+
     from megatron_tg.train.batching import build_micro_batch, pack
     from megatron_tg.train.policy import forward_hidden, unwrap
     from megatron_tg.train.prefix_kv import record_kv, reuse_kv
@@ -62,8 +66,7 @@ def _rank_fn(rank, world, state, hf_cfg, samples, tok_dir, dtype_name, use_te=Tr
 
     def run(rows):
         with torch.no_grad():
-            return forward_hidden(model, rows.tokens.to(dev), rows.position_ids.to(dev),
-                                  rows.attention_mask.to(dev))
+            return forward_hidden(model, rows)
 
     def logprobs(hidden, weight, ids):
         lp = torch.log_softmax((hidden.float() @ weight.float().t())[:, :arch.vocab_size], -1)
@@ -82,12 +85,12 @@ def _rank_fn(rank, world, state, hf_cfg, samples, tok_dir, dtype_name, use_te=Tr
     for k, ids in enumerate(seqs):
         idx = torch.tensor([rows.flat(k, p) for p in range(len(ids))], device=dev)
         out["packed"].append(logprobs(flat[idx], o.output_weight, ids))
-    # Positive control: the same packed row with one causal mask over the whole row, i.e.
-    # every sequence after the first attends to the ones before it. The packed check must
-    # be able to tell this leak from bf16 noise, or its tolerance proves nothing.
+    # Positive control: the same packed row as one THD segment, i.e. every sequence after
+    # the first attends to the ones before it. The packed check must be able to tell this
+    # leak from bf16 noise, or its tolerance proves nothing.
     width = rows.tokens.shape[1]
-    leaky = torch.ones(width, width, dtype=torch.bool).tril().logical_not()
-    rows.attention_mask = leaky.expand_as(rows.attention_mask).contiguous()
+    rows = dataclasses.replace(rows, cu_seqlens=torch.tensor([0, width], dtype=torch.int32),
+                               max_seqlen=width)
     o = run(rows)
     flat = o.hidden.reshape(-1, o.hidden.shape[-1])
     out["leaky"] = []
@@ -97,8 +100,7 @@ def _rank_fn(rank, world, state, hf_cfg, samples, tok_dir, dtype_name, use_te=Tr
 
     cfg = ObjectiveConfig(mode="tg")
     full = build_micro_batch(samples, tok, cfg, row_tokens=2 * longest)
-    full.expert.tokens, full.expert.position_ids = full.expert.tokens.to(dev), full.expert.position_ids.to(dev)
-    full.expert.attention_mask, full.expert_rows = full.expert.attention_mask.to(dev), full.expert_rows.to(dev)
+    full.expert_rows = full.expert_rows.to(dev)
     eh, ew = expert_hidden_states(model, full)
     out["expert_full"] = (eh.float() @ ew.float().t()).cpu()
     mb = build_micro_batch(samples, tok, cfg, row_tokens=2 * longest, prefix_reuse=True)

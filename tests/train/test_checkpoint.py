@@ -39,7 +39,7 @@ def _train_fn(rank, world, tp, state, hf_cfg, samples, tok_dir, ckpt_root, mode,
     from megatron_tg.parallel.state import init_parallel
     from megatron_tg.train.batching import build_micro_batch
     from megatron_tg.train.optim import build_optimizer
-    from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
+    from megatron_tg.train.step import ops_reduce_hidden_grad, run_step
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     ctx = init_parallel(tp=tp, seed=seed)
@@ -67,8 +67,7 @@ def _train_fn(rank, world, tp, state, hf_cfg, samples, tok_dir, ckpt_root, mode,
                  for s, n in zip(samples, noise)]
         mb = build_micro_batch(batch, tok, obj_cfg, row_tokens=row, pad_multiple=tp)
         opt.zero_grad()
-        out = micro_batch_loss(ddp, objective, mb, vocab_size=arch.vocab_size)
-        out.loss.backward()
+        out, = run_step(ddp, objective, [mb], vocab_size=arch.vocab_size)
         finalize_model_grads([ddp])
         opt.step()
         losses.append(out.loss.detach())

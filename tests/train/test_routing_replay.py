@@ -143,8 +143,7 @@ def _replay_fn(rank, world, overrides, ro):
     def logprobs(replay: bool):
         with torch.no_grad(), replay_routing(trainer.model, mb.routed_experts if replay else None,
                                              mb.routed_layers, b, width):
-            out = forward_hidden(trainer.model, mb.student.tokens, mb.student.position_ids,
-                                 mb.student.attention_mask)
+            out = forward_hidden(trainer.model, mb.student)
             lp = fused_vocab_parallel_logprob(select_rows(out.hidden, mb.rows), out.output_weight,
                                               mb.target_ids, trainer.ctx.group(Axis.TP),
                                               vocab_size=trainer.arch.vocab_size)
@@ -157,8 +156,7 @@ def _replay_fn(rank, world, overrides, ro):
     for _, r in routers:
         r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
     with torch.no_grad():
-        forward_hidden(trainer.model, mb.student.tokens, mb.student.position_ids,
-                       mb.student.attention_mask)
+        forward_hidden(trainer.model, mb.student)
     recorded = [r.router_replay.get_recorded_indices().sort(-1).values for _, r in routers]
     clear_replay(trainer.model)
     from megatron_tg.train.routing import router_targets
@@ -270,8 +268,7 @@ def _recompute_fn(rank, world, d, ro):
             for layer, router in moe_routers(model):
                 router.weight.mul_(-1.0)
         with replay_routing(model, mb.routed_experts, mb.routed_layers, b, width):
-            out = forward_hidden(model, mb.student.tokens, mb.student.position_ids,
-                                 mb.student.attention_mask)
+            out = forward_hidden(model, mb.student)
         replay_backward(model)
         out.hidden.float().pow(2).mean().backward()
         left = [len(r.router_replay.replay_backward_list) for _, r in moe_routers(model)]

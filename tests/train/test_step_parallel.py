@@ -2,8 +2,8 @@
 loss and gradients at TP=2, EP=2 and TP=2 x EP=2 equal the single-process TP=1 run.
 
 Data: multi-turn rollouts rendered with the tiny Qwen3-Coder-framed tokenizer, some turns
-failing with feedback (shared expert sequences), packed two per row with block-diagonal
-masks. Behaviour log-probs are the HF model's own plus noise, so the PPO ratio, clipping and
+failing with feedback (shared expert sequences), packed two per row and run as THD packed
+sequences (``PackedSeqParams``). Behaviour log-probs are the HF model's own plus noise, so the PPO ratio, clipping and
 TIS are all exercised. With DP > 1 each DP rank takes half the rollouts; megatron's DDP
 average over DP then equals the single-process mean over all rollouts.
 """

@@ -61,7 +61,7 @@ def _sync_fn(rank, world, state, hf_cfg, url, port, prompt):
     pad = (-seq.shape[1]) % 2
     tokens = torch.nn.functional.pad(seq, (0, pad))
     with torch.no_grad():
-        h = forward_hidden(model, tokens, torch.arange(tokens.shape[1])[None], None)
+        h = forward_hidden(model, tokens)
         n = len(box[0])
         rows = h.hidden[0, len(prompt) - 1:n - 1]
         lp = fused_vocab_parallel_logprob(rows, h.output_weight, seq[0, len(prompt):n],
@@ -220,3 +220,50 @@ def test_probe_and_coverage_check_name_the_engine_and_the_weight(engine):
     diff = asyncio.run(main())
     print(f"probe: mean |engine - HF| log-prob over {len(tokens) - 1} positions = {diff:.3g}")
     assert diff < 1e-4
+
+
+def _stages_fn(rank, world, layouts, state, hf_cfg, tokens):
+    """Per layout: every HF tensor the sync streams (rank 0, the sender) and the trainer's
+    probe log-probs (every rank)."""
+    from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
+    from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
+    from megatron_tg.parallel.state import init_parallel
+    from megatron_tg.train.weight_sync import iter_hf_weights, trainer_logprobs
+
+    out = []
+    for tp, ep, etp, pp in layouts:
+        ctx = init_parallel(tp=tp, ep=ep, etp=etp, pp=pp)
+        arch = Qwen3Arch.from_hf(hf_cfg)
+        model = build_model(arch, tp=tp, ep=ep, etp=etp, pp=pp)
+        load_hf_weights(model, state, arch, current_layout(model=model))
+        names, streamed = [], {}
+        for name, t in iter_hf_weights(model, arch, ctx):
+            names.append(name)
+            streamed[name] = t.clone()
+        out.append(dict(names=names, streamed=streamed,
+                        logprobs=trainer_logprobs(model, arch, ctx, tokens)))
+    return out
+
+
+@pytest.mark.parametrize("world,layouts", [(2, [(1, 1, 1, 2)]), (4, [(2, 1, 2, 2), (1, 2, 1, 2)])],
+                         ids=["pp2", "tp2xpp2+pp2xep2"])
+def test_every_stage_reaches_the_sender(world, layouts):
+    """Under PP each stage's tensors reach global rank 0 (relayed over the PP group), merged
+    over TP and EP: rank 0 streams every HF tensor exactly once, equal to the checkpoint's;
+    the probe log-probs (a forward-only schedule, computed on the last stage) equal PP=1's."""
+    from megatron_tg.train.weight_sync import probe_tokens
+
+    cfg, _, state = tiny_hf_model(seed=0, num_hidden_layers=4)
+    tokens = probe_tokens(cfg.vocab_size, 21)  # odd length: padded for TP=2
+    ref = run_distributed(_stages_fn, 1, [(1, 1, 1, 1)], state, cfg.to_dict(), tokens)[0][0]
+    outs = run_distributed(_stages_fn, world, layouts, state, cfg.to_dict(), tokens)
+    for i, layout in enumerate(layouts):
+        sender = outs[0][i]
+        assert sorted(sender["names"]) == sorted(state) and len(sender["names"]) == len(state)
+        for name, t in state.items():
+            assert torch.equal(sender["streamed"][name], t), (layout, name)
+        assert all(not o[i]["names"] for o in outs[1:])  # only the sender yields tensors
+        for o in outs:
+            torch.testing.assert_close(o[i]["logprobs"], ref["logprobs"], atol=1e-5, rtol=1e-5)
+        print(f"{layout}: max |probe log-prob diff| vs PP1 "
+              f"{max(float((o[i]['logprobs'] - ref['logprobs']).abs().max()) for o in outs):.3g}")

@@ -222,6 +222,9 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, cp: int = 1
         sequence_parallel=sequence_parallel, params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         pipeline_dtype=params_dtype, use_cpu_initialization=on_cpu,
+        # Micro-batches differ in token count: under PP the stages exchange each one's
+        # shape before its activations (megatron allows this with the alltoall dispatcher).
+        variable_seq_lengths=pp > 1,
         perform_initialization=perform_initialization,
     )
     grouped_gemm = arch.is_moe and not on_cpu and _have_grouped_gemm()

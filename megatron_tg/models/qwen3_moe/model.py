@@ -1,10 +1,12 @@
 """Build the Qwen3(-MoE) policy as a megatron-core ``GPTModel``.
 
-On GPU the Transformer-Engine layer spec is used unchanged. On CPU the local spec is used
-with one substitution: megatron's ``WrappedTorchNorm`` refuses ``sequence_parallel`` (which
-MoE + TP requires), so every norm becomes :class:`RMSNorm`, the same math as HF's
-``Qwen3MoeRMSNorm`` (fp32 statistics) with its weight tagged ``sequence_parallel`` so that
-``finalize_model_grads`` all-reduces its partial gradients over TP.
+On GPU the Transformer-Engine layer spec is used; on CPU the local spec. Both get a core
+attention that honours megatron's THD ``PackedSeqParams`` (the trainer's packed sequences,
+:mod:`megatron_tg.models.qwen3_moe.attention`). On CPU one more substitution: megatron's
+``WrappedTorchNorm`` refuses ``sequence_parallel`` (which MoE + TP requires), so every norm
+becomes :class:`RMSNorm`, the same math as HF's ``Qwen3MoeRMSNorm`` (fp32 statistics) with
+its weight tagged ``sequence_parallel`` so that ``finalize_model_grads`` all-reduces its
+partial gradients over TP.
 
 The output layer is megatron's vocab-parallel ``ColumnParallelLinear`` with
 ``parallel_output=True``: logits stay sharded ``[s, b, V_pad / TP]`` for the vocab-parallel
@@ -44,37 +46,36 @@ class RMSNorm(torch.nn.Module):
         return self.weight * h.to(dtype)
 
 
-def _rewrite_spec(spec: Any, *, swap_norms: bool, arbitrary_masks: bool,
+def _rewrite_spec(spec: Any, *, swap_norms: bool, attention: type | None = None,
                   memo: dict[int, Any] | None = None) -> Any:
     """Walk a megatron ModuleSpec tree and
 
     * (``swap_norms``, the local spec) swap the torch-norm wrapper for :class:`RMSNorm`;
-    * (``arbitrary_masks``, the TE spec) make every ``attn_mask_type=causal`` attention
-      ``arbitrary``: the trainer packs several sequences into a row with a block-diagonal
-      causal mask, and the expert's prefix-reuse pass attends over more keys than queries.
-      Transformer Engine ignores the mask of a ``causal`` attention (packed sequences would
-      attend to each other); the local attention applies any mask it is given, and with none
-      stays causal, so the local spec keeps ``causal``.
+    * (``attention``) put that class in place of megatron's core attention (the local
+      ``DotProductAttention`` or ``TEDotProductAttention``): the THD-capable classes of
+      :mod:`megatron_tg.models.qwen3_moe.attention`. Mask types stay ``causal``: packed
+      sequences are separated by ``PackedSeqParams``, not by a mask.
 
     Layer specs are shared between layers, so results are memoised by identity.
     """
-    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     memo = {} if memo is None else memo
     if swap_norms and spec is WrappedTorchNorm:
         return RMSNorm
+    if attention is not None and isinstance(spec, type) and spec is not attention and (
+            spec is DotProductAttention or spec.__name__ == "TEDotProductAttention"):
+        return attention
     if id(spec) in memo:
         return memo[id(spec)]
-    rec = lambda x: _rewrite_spec(x, swap_norms=swap_norms, arbitrary_masks=arbitrary_masks,  # noqa: E731
+    rec = lambda x: _rewrite_spec(x, swap_norms=swap_norms, attention=attention,  # noqa: E731
                                   memo=memo)
     if isinstance(spec, ModuleSpec):
-        module = RMSNorm if swap_norms and spec.module is WrappedTorchNorm else spec.module
-        params = dict(spec.params or {})
-        if arbitrary_masks and params.get("attn_mask_type") == AttnMaskType.causal:
-            params["attn_mask_type"] = AttnMaskType.arbitrary
-        out = dataclasses.replace(spec, module=module, params=params, submodules=rec(spec.submodules))
+        module = rec(spec.module) if isinstance(spec.module, type) else spec.module
+        out = dataclasses.replace(spec, module=module, params=dict(spec.params or {}),
+                                  submodules=rec(spec.submodules))
     elif isinstance(spec, (list, tuple)):
         out = type(spec)(rec(s) for s in spec)
     elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
@@ -87,13 +88,16 @@ def _rewrite_spec(spec: Any, *, swap_norms: bool, arbitrary_masks: bool,
 
 
 def layer_spec(config, *, use_te: bool | None = None):
-    """The decoder block spec: TE on GPU, local spec with :class:`RMSNorm` on CPU; attention
-    masks honoured in both (see :func:`_rewrite_spec`)."""
+    """The decoder block spec: TE on GPU, local spec with :class:`RMSNorm` on CPU; both with
+    the THD-capable core attention (see :func:`_rewrite_spec`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_tg.models.qwen3_moe.attention import PackedDotProductAttention, te_core_attention
 
     use_te = torch.cuda.is_available() if use_te is None else use_te
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
-    return _rewrite_spec(spec, swap_norms=not use_te, arbitrary_masks=use_te)
+    return _rewrite_spec(spec, swap_norms=not use_te,
+                         attention=te_core_attention() if use_te else PackedDotProductAttention)
 
 
 def build_model(hf_config: Any, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,

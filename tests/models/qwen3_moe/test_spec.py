@@ -1,4 +1,4 @@
-"""The layer-spec rewrite: norms on the local spec, attention mask types on the TE spec."""
+"""The layer-spec rewrite: norms on the local spec, the THD-capable core attention on both."""
 
 from __future__ import annotations
 
@@ -27,10 +27,13 @@ def _walk(spec, seen=None):
         yield spec
 
 
-def test_rewrite_swaps_norms_and_mask_types():
+def test_rewrite_swaps_norms_and_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_tg.models.qwen3_moe.attention import PackedDotProductAttention
 
     # One MoE layer's local spec (the block spec needs initialised parallel state).
     spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, qk_layernorm=True,
@@ -40,13 +43,17 @@ def test_rewrite_swaps_norms_and_mask_types():
         return [m.params["attn_mask_type"] for m in _walk(s)
                 if hasattr(m, "params") and m.params and "attn_mask_type" in m.params]
 
-    def has_torch_norm(s):
-        return any(getattr(m, "module", m) is WrappedTorchNorm for m in _walk(s))
+    def has(s, cls):
+        return any(getattr(m, "module", m) is cls for m in _walk(s))
 
-    assert masks(spec) and set(masks(spec)) == {AttnMaskType.causal} and has_torch_norm(spec)
-    local = _rewrite_spec(spec, swap_norms=True, arbitrary_masks=False)
-    assert set(masks(local)) == {AttnMaskType.causal} and not has_torch_norm(local)
-    assert any(getattr(m, "module", m) is RMSNorm for m in _walk(local))
-    te_like = _rewrite_spec(spec, swap_norms=False, arbitrary_masks=True)
-    assert set(masks(te_like)) == {AttnMaskType.arbitrary} and has_torch_norm(te_like)
+    assert masks(spec) and set(masks(spec)) == {AttnMaskType.causal}
+    assert has(spec, WrappedTorchNorm) and has(spec, DotProductAttention)
+    local = _rewrite_spec(spec, swap_norms=True, attention=PackedDotProductAttention)
+    # Packed sequences are told apart by PackedSeqParams: the mask type stays causal.
+    assert set(masks(local)) == {AttnMaskType.causal} and not has(local, WrappedTorchNorm)
+    assert has(local, RMSNorm) and has(local, PackedDotProductAttention)
+    assert not has(local, DotProductAttention)
+    norms_only = _rewrite_spec(spec, swap_norms=False, attention=None)
+    assert has(norms_only, WrappedTorchNorm) and has(norms_only, DotProductAttention)
     assert set(masks(spec)) == {AttnMaskType.causal}  # the input spec is not modified
+    assert has(spec, DotProductAttention) and not has(spec, PackedDotProductAttention)
