@@ -63,7 +63,7 @@ def _one_step_fn(rank, world, state, hf_cfg, samples, tok_dir, runs):
     from megatron_tg.parallel.state import init_parallel
     from megatron_tg.train.batching import build_micro_batch
     from megatron_tg.train.optim import MegatronOptimizer, build_optimizer
-    from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
+    from megatron_tg.train.step import ops_reduce_hidden_grad, run_step
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     arch = Qwen3Arch.from_hf(hf_cfg)
@@ -91,8 +91,8 @@ def _one_step_fn(rank, world, state, hf_cfg, samples, tok_dir, runs):
         mb = build_micro_batch(samples[dp_rank::dp], tok, obj_cfg, row_tokens=row,
                                pad_multiple=tp)
         opt.zero_grad()
-        loss = micro_batch_loss(ddp, objective, mb, vocab_size=arch.vocab_size).loss
-        loss.backward()
+        # Forward and backward through the trainer's schedule path (one micro-batch).
+        loss = run_step(ddp, objective, [mb], vocab_size=arch.vocab_size)[0].loss
         finalize_model_grads([ddp])
         # The DP-averaged gradient: whole on every rank without the distributed optimizer;
         # with it, DDP reduce-scatters and each rank's own range of the buffer is the sum.
@@ -213,7 +213,7 @@ def test_grad_norm_and_clipping_are_megatron_s(steps):
     clipped = _max_diff(run["after"], adam_first_step(clip / (norm + 1e-6)))
     unclipped = _max_diff(run["after"], adam_first_step(1.0))
     print(f"closed-form clipped Adam step: max diff {clipped:.3e} (unclipped: {unclipped:.3e})")
-    assert clipped < 1e-7 and unclipped > 1e-5
+    assert clipped < 5e-7 and unclipped > 1e-5  # a few float32 ulps of weights near 1
 
 
 def _resume_fn(rank, world, state, hf_cfg, samples, tok_dir, ckpt_root, first, last, save_at):
@@ -236,7 +236,7 @@ def _resume_fn(rank, world, state, hf_cfg, samples, tok_dir, ckpt_root, first, l
     from megatron_tg.train.batching import build_micro_batch
     from megatron_tg.train.checkpoint import Checkpointer
     from megatron_tg.train.optim import build_optimizer
-    from megatron_tg.train.step import micro_batch_loss, ops_reduce_hidden_grad
+    from megatron_tg.train.step import ops_reduce_hidden_grad, run_step
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     ctx = init_parallel(tp=1, seed=7)
@@ -264,8 +264,8 @@ def _resume_fn(rank, world, state, hf_cfg, samples, tok_dir, ckpt_root, first, l
                  for s in samples]
         mb = build_micro_batch(batch[dp_rank::dp], tok, obj_cfg, row_tokens=row)
         opt.zero_grad()
-        loss = micro_batch_loss(ddp, objective, mb, vocab_size=arch.vocab_size).loss
-        loss.backward()
+        # Forward and backward through the trainer's schedule path (one micro-batch).
+        loss = run_step(ddp, objective, [mb], vocab_size=arch.vocab_size)[0].loss
         finalize_model_grads([ddp])
         assert opt.step()["skipped"] == 0.0
         mean = loss.detach().clone()

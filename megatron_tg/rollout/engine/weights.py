@@ -197,7 +197,7 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
 
     Formed as SGLang's ``init_custom_process_group`` forms it on each engine GPU, because
     the members only meet if every one reads and writes the same store keys: torch's
-    ``tcp://`` rendezvous (a TCPStore at master_address:master_port), a
+    ``tcp://`` rendezvous (a TCPStore at master_address:master_port, served by rank 0), a
     ``PrefixStore(group_name)`` over it, then torch's own group constructor, which adds
     ``group_name/`` and the device prefix and registers the group under ``group_name``.
     Blocks until all ``world_size`` members have joined (or ``timeout_s``)."""
@@ -213,10 +213,12 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
                            "is bound to a device (init_process_group(device_id=...)); initialise it without "
                            "device_id")
     timeout = timedelta(seconds=timeout_s)
-    host = f"[{master_address}]" if ":" in master_address else master_address
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{host}:{int(master_port)}", rank, world_size,
-                                                   timeout=timeout))
-    store.set_timeout(timeout)
+    # The store torch's ``tcp://`` rendezvous would build (multi-tenant, rank 0 serves it),
+    # built here so that rank 0 serves it whatever launched this process: under torchrun
+    # (TORCHELASTIC_USE_AGENT_STORE=True) the rendezvous starts no server on rank 0, and the
+    # engines, which are not torchrun workers, would wait as clients until the timeout.
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
+                          timeout=timeout, multi_tenant=True)
     store = dist.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
                                            group_name=group_name, backend_options=None, timeout=timeout)
