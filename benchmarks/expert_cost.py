@@ -16,8 +16,8 @@ hits them alike. The time printed is the fastest of ``--repeats`` (wall and CPU 
 
 Packing: rows of at most ``--row-tokens`` tokens (default: the rollout's own length, i.e. one
 student rollout per row; the expert rows widen to the longest expert sequence when that is
-longer). On CPU megatron's local attention is dense over the row with a block-diagonal mask,
-so a row costs O(row²) in attention whatever it holds; the linear layers cost O(tokens).
+longer). Rows run as THD packed sequences: attention costs O(Σ segment²) in time and O(tokens)
+in memory; the linear layers cost O(tokens).
 
 Expected counts (confirmed by the printed table), with t_k = tokens of the rollout up to and
 including assistant turn k and f_k = tokens of turn k's framed feedback message:

@@ -64,7 +64,26 @@ def _rank_fn(rank, world, state, hf_cfg, samples, tok_dir, reps):
             if rep:  # rep 0 is warm-up
                 times[mode].append(dt)
     tg_mb, naive_mb = variants["tg"][1], variants["tg_naive"][1]
-    return {"times": times, "student_tokens": int(tg_mb.student.tokens.numel()),
+    # Where tg's extra time goes: its passes alone, no_grad (student forward recording the
+    # keys, then the expert pass over the suffixes), interleaved the same way.
+    from megatron_tg.train.policy import forward_hidden, unwrap
+    from megatron_tg.train.prefix_kv import record_kv, reuse_kv
+
+    gpt = unwrap(ddp)
+    passes = {"student forward": [], "expert reuse forward": []}
+    with torch.no_grad():
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            with record_kv(gpt) as store:
+                forward_hidden(ddp, tg_mb.student)
+            t1 = time.perf_counter()
+            with reuse_kv(gpt, store, tg_mb.expert_prefix):
+                forward_hidden(ddp, tg_mb.expert)
+            t2 = time.perf_counter()
+            if rep:
+                passes["student forward"].append(t1 - t0)
+                passes["expert reuse forward"].append(t2 - t1)
+    return {"times": times, "passes": passes, "student_tokens": int(tg_mb.student.tokens.numel()),
             "expert_tokens": int(tg_mb.expert.tokens.numel()) if tg_mb.expert else 0,
             "naive_expert_tokens": int(naive_mb.expert.tokens.numel()) if naive_mb.expert else 0,
             "gated_rows": int(tg_mb.gate.sum()), "loss_rows": int(tg_mb.rows.numel())}
@@ -99,6 +118,9 @@ def main(argv=None) -> int:
         ts = out["times"][m]
         print(f"{m:8s} train step: median {med[m] * 1e3:8.1f} ms  (min {min(ts) * 1e3:.1f}, "
               f"max {max(ts) * 1e3:.1f}, n={len(ts)})")
+    for name, ts in out["passes"].items():
+        toks = out["student_tokens"] if name.startswith("student") else out["expert_tokens"]
+        print(f"{name:21s} (no_grad, {toks:5d} tokens): median {statistics.median(ts) * 1e3:7.1f} ms")
     print(f"ratio tg/grpo:       {med['tg'] / med['grpo']:.3f}  (prefix reuse, the default; target <= 1.05)")
     print(f"ratio tg_naive/grpo: {med['tg_naive'] / med['grpo']:.3f}  (whole expert sequences; "
           "the paper's naive cost ~1.33)")
