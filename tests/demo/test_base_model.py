@@ -344,3 +344,24 @@ def test_hf_sampler_left_padding_and_episodes(quick_build):
         e.rollout.validate(vocab_size=len(tk))
         assert all(lp <= 0 for s in e.rollout.assistant_turns() for lp in s.logprobs)
         assert e.rollout.metadata["hint"] == T.HINT and "logprobs" not in e.rollout.metadata
+
+
+def test_plain_new_examples_train_the_new_call_with_a_weighted_branch(tok):
+    """The phase experiment's knob: hint-less examples whose new-format call is trained, the
+    branch token (``<parameter`` where the old format closes the call) at its own weight."""
+    ex = B.sft_examples(tok, 120, seed=0, hint_fraction=0.5, context_fraction=0.2,
+                        new_no_hint_fraction=0.4, new_no_hint_branch_weight=0.01)
+    gen = generation_prompt_ids(tok)
+    new = [e for e in ex if e.kind == "plain_new"]
+    assert len(new) > 10
+    for ids, mask, _ in new:
+        text = tok.decode(ids)
+        assert "<parameter=lines>" in text and T.HINT not in text
+        full = B.assistant_loss_mask(ids, gen, tok.eos_token_id)
+        off = [i for i, (m, f) in enumerate(zip(mask, full)) if m != f]
+        assert len(off) == 1 and mask[off[0]] == 0.01 and full[off[0]] == 1
+        assert tok.decode(ids[off[0]:]).startswith("<parameter=lines>")
+        assert tok.convert_ids_to_tokens([ids[off[0]]])[0] != "</"  # not the old format's branch
+    # the knob off: no such example, and the default draw is unchanged
+    assert not [e for e in B.sft_examples(tok, 120, seed=0, hint_fraction=0.5, context_fraction=0.2)
+                if e.kind == "plain_new"]
