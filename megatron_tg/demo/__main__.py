@@ -271,6 +271,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="main: the demo above; phase: base models with new-format no-hint "
                          "probability ~1e-6 / 1e-4 / 1e-2, each with GRPO, reverse+EMA and "
                          "forward+EMA TG at the quick size, seed 0 (9 RL runs)")
+    ap.add_argument("--phase-base", choices=("full", "quick"), default="full",
+                    help="--suite phase: the base models' SFT size (full: the default build, "
+                         "whose no-hint probability is ~1e-6; quick: the --quick build's)")
 
 
 def _bad_arguments(a: argparse.Namespace) -> str | None:
@@ -294,7 +297,8 @@ def run(a: argparse.Namespace) -> int:
         if getattr(a, "suite", "main") == "phase":
             from megatron_tg.demo import phase
 
-            plan = Plan(**{**QUICK.__dict__, "heldout": 0,
+            base = dict(B.QUICK) if a.phase_base == "quick" else {}
+            plan = Plan(**{**QUICK.__dict__, "heldout": 0, "base_overrides": base,
                            **({"steps": a.steps} if a.steps is not None else {})})
             return phase.run(a, plan, Path(a.recipe).resolve(), sys.executable, _log)
         return _main(a)

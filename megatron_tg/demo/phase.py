@@ -1,6 +1,6 @@
 """The phase experiment: where reverse KL starts to work, and where GRPO alone does.
 
-    python -m megatron_tg.demo --suite phase --out runs/phase --jobs 1
+    python -m megatron_tg.demo --suite phase --out runs/phase --jobs 1 [--phase-base quick]
 
 Three quick-size base models that differ only in how likely the new tool format is without
 the hint (the no-hint probability of its branch token, :func:`.base_model.branch_probabilities`,
@@ -8,7 +8,9 @@ measured by each build's own evaluation: ``p_branch_no_hint_mean``): the paper's
 with :attr:`.base_model.BaseModelConfig.new_no_hint_fraction` /
 ``new_no_hint_branch_weight``, ~1e-4 and ~1e-2. On each: GRPO alone, TG with reverse KL and
 TG with forward KL (both with the EMA expert), seed 0, seeded sampling, no staleness (the
-``--quick`` plan). Printed per run: the final rates, when the format reached 0.8, the rolling
+``--quick`` plan's RL runs). The bases are the default (full-size, 400-step) build
+(``--phase-base full``): the quick build's own no-hint probability is ~3e-5, not ~1e-6
+(``--phase-base quick`` runs the suite on quick builds). Printed per run: the final rates, when the format reached 0.8, the rolling
 task gap to the level's GRPO run, and the KL diagnostics on the rescue rows (gated rows where
 the expert puts >= 0.5 of its mass on tokens the student gives < 1e-4): on how many steps
 there were any, the largest rescue mass, the largest reverse-KL and the smallest forward-KL
@@ -30,7 +32,7 @@ from megatron_tg.demo import report as R
 
 LEVELS: dict[str, dict[str, float]] = {
     "1e-6": {},
-    "1e-4": dict(new_no_hint_fraction=0.05, new_no_hint_branch_weight=0.002),
+    "1e-4": dict(new_no_hint_fraction=0.05, new_no_hint_branch_weight=0.003),
     "1e-2": dict(new_no_hint_fraction=0.05, new_no_hint_branch_weight=0.2),
 }
 """Target no-hint probability -> base model overrides (on top of :data:`.base_model.QUICK`).
