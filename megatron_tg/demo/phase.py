@@ -13,7 +13,7 @@ TG with forward KL (both with the EMA expert), seed 0, seeded sampling, no stale
 (``--phase-base quick`` runs the suite on quick builds). Printed per run: the final rates, when the format reached 0.8, the rolling
 task gap to the level's GRPO run, and the KL diagnostics on the rescue rows (gated rows where
 the expert puts >= 0.5 of its mass on tokens the student gives < 1e-4): on how many steps
-there were any, the largest rescue mass, the largest reverse-KL and the smallest forward-KL
+there were any, the mean rescue mass over the gated tokens of step 1 (``kl/rescue_mass``), the largest reverse-KL and the smallest forward-KL
 logit-gradient norm there. The order runs reverse and GRPO at 1e-4 and 1e-2 first, so a cut
 run still answers the main question.
 """
@@ -50,7 +50,8 @@ def _diagnostics(run_dir: Path) -> dict[str, Any]:
     rows = [r for r in R.read_metrics(run_dir) if r.get("step", 0) >= 1]
     rescue = [r for r in rows if "kl/rescue_grad_reverse_max" in r]
     mass = R.series(rows, "kl/rescue_mass_max")
-    return {"rescue_steps": len(rescue), "steps": len(rows),
+    first = rows[0].get("kl/rescue_mass", math.nan) if rows else math.nan
+    return {"rescue_steps": len(rescue), "steps": len(rows), "rescue_mass_step1": first,
             "rescue_mass_max": max(mass) if mass else math.nan,
             "rescue_grad_reverse_max": max((r["kl/rescue_grad_reverse_max"] for r in rescue), default=math.nan),
             "rescue_grad_forward_min": min((r["kl/rescue_grad_forward_min"] for r in rescue), default=math.nan)}
@@ -58,7 +59,7 @@ def _diagnostics(run_dir: Path) -> dict[str, Any]:
 
 def table(levels: dict[str, dict[str, Any]]) -> str:
     head = (f"{'level':>5} {'p_branch':>9} {'run':>8} {'new fmt':>8} {'task':>6} {'0.8 at':>6} "
-            f"{'gap':>7} {'rescue steps':>12} {'mass max':>8} {'g_rev max':>9} {'g_fwd min':>9} {'wall s':>7}")
+            f"{'gap':>7} {'rescue steps':>12} {'mass@1':>8} {'g_rev max':>9} {'g_fwd min':>9} {'wall s':>7}")
     lines = [head]
     for lvl, info in levels.items():
         for name, s in info["runs"].items():
@@ -66,7 +67,7 @@ def table(levels: dict[str, dict[str, Any]]) -> str:
             gap = "-" if name == "grpo" else f"{s['rolling_gap']:+.3f}"
             lines.append(f"{lvl:>5} {info['p_branch_no_hint_mean']:>9.2e} {name:>8} "
                          f"{s['criterion_rate']:>8.3f} {s['pass_rate']:>6.3f} {hit:>6} {gap:>7} "
-                         f"{s['rescue_steps']:>6}/{s['steps']:<5} {s['rescue_mass_max']:>8.3f} "
+                         f"{s['rescue_steps']:>6}/{s['steps']:<5} {s['rescue_mass_step1']:>8.4f} "
                          f"{s['rescue_grad_reverse_max']:>9.4f} {s['rescue_grad_forward_min']:>9.4f} "
                          f"{s['seconds']:>7.0f}")
     return "\n".join(lines)
