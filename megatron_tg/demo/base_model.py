@@ -31,7 +31,10 @@ Measured (one torch thread, the 2-core CI machine; ~390k parameters): the defaul
 (400 steps x 32 sequences) takes ~70 s of SFT and ~80 s in all (CPU time); seeds 0 / 1 / 2
 give task success without hint 0.99 / 0.99 / 0.98, new format without hint 0 (exact branch
 probability ~1e-6), new format with hint 1.0, success after a forced new-format call without
-hint 0.99–1.0. ``QUICK`` (300 steps): ~52 s of SFT, rates in :data:`QUICK_EXPECTED`.
+hint 0.99–1.0. ``QUICK`` (300 steps): ~52 s of SFT, rates in :data:`QUICK_EXPECTED`; its
+exact no-hint branch probability is 2.8e-5, not ~1e-6. The phase experiment's knob
+(``new_no_hint_fraction`` 0.05 with ``new_no_hint_branch_weight`` 0.003 / 0.2, default build)
+gave 4.8e-5 / 5.1e-3 (``python -m megatron_tg.demo --suite phase``, seed 0).
 """
 
 from __future__ import annotations
