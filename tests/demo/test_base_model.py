@@ -137,6 +137,20 @@ def test_judge_on_hand_written_transcripts(tok):
     assert _judge(tok, hedged, t).passed["answer"] is False
     no_answer = old[:-2]  # ends with the tool call
     assert _judge(tok, no_answer, t).passed["answer"] is False
+    # a tool-call turn cut by the token limit before its call closes is no valid call: it fails
+    # the format criterion and gets its feedback (so TG gates it), like a malformed search call
+    from megatron_tg.chat.builder import RolloutBuilder, fake_logprobs
+
+    prompt = list(t.prompt_messages())
+    text = assistant_generation_text(tok, old[len(prompt)])
+    ids = encode(tok, text[:text.index("</parameter>") + len("</parameter>\n<para")])
+    b = RolloutBuilder(tok, prompt, task_id="t")
+    b.add_assistant(ids, fake_logprobs(ids), 0)
+    cut = b.build("length")
+    r = Judge(T.rubric(), tok).judge_sync(cut, t)
+    assert cut.finish_reason == "length"
+    assert r.passed == {"answer": False, "search_lines": False}
+    assert r.feedback_by_turn() == {0: T.FEEDBACK}
     # without task info or metadata the answer cannot be judged: a judge error, not a fail
     r = _judge(tok, old, None)
     assert not r.trainable and "answer" in r.judge_error
