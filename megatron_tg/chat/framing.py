@@ -266,6 +266,8 @@ class ParsedTurn:
 
 
 _FUNC_RE = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*\Z", re.S)
+_OPEN_FUNC_RE = re.compile(r"\s*<function=([^>\n]*)>")
+"""The opening tag of a call's function (its name read even when the call never closes)."""
 _PARAM_RE = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)
 _NAME_RE = re.compile(r"[A-Za-z_][\w.\-]*\Z")
 
@@ -323,7 +325,11 @@ def parse_assistant(text: str, stop_tokens: Sequence[str] = ("<|im_end|>", "<|en
         nxt = text.find(CALL_OPEN, o + len(CALL_OPEN))
         if c < 0 or (0 <= nxt < c):
             end = nxt if nxt >= 0 else len(text)  # an unterminated call ends at the next one
-            errors.append(ToolCallError(f"unterminated {CALL_OPEN}", text[o:end], o, end))
+            # The function name, when the call got that far: a call cut by the token limit is
+            # still a (failed) call to that tool, and a judge's format criterion must see it.
+            m = _OPEN_FUNC_RE.match(text, o + len(CALL_OPEN), end)
+            name = m.group(1).strip() if m and _NAME_RE.match(m.group(1).strip()) else None
+            errors.append(ToolCallError(f"unterminated {CALL_OPEN}", text[o:end], o, end, name))
             pos = end
             if end == len(text):
                 break

@@ -3,6 +3,7 @@
     python -m megatron_tg.demo --out runs/demo            # default: 4 RL runs
     python -m megatron_tg.demo --full --out runs/full     # + the KL direction x expert grid (20)
     python -m megatron_tg.demo --quick --out runs/quick   # CI-sized, seeded: a few minutes
+    python -m megatron_tg.demo --suite phase --out runs/phase  # why reverse KL fails (:mod:`.phase`)
 
 1. base model: a tiny Qwen3-MoE SFT'd on the key-lookup task (:mod:`.base_model`): it solves
    the task with the ``search`` tool, never uses the new ``lines=`` format unaided, and uses it
@@ -266,12 +267,21 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seed sampling and drop the asynchrony (always on with --quick)")
     ap.add_argument("--jobs", type=int, default=2, help="RL runs at a time (default 2: one per core)")
     ap.add_argument("--recipe", default=str(RECIPE), help="the RL recipe (default recipes/demo_cpu.yaml)")
+    ap.add_argument("--suite", choices=("main", "phase"), default="main",
+                    help="main: the demo above; phase: base models with new-format no-hint "
+                         "probability ~1e-6 / 1e-4 / 1e-2, each with GRPO, reverse+EMA and "
+                         "forward+EMA TG at the quick size, seed 0 (9 RL runs)")
+    ap.add_argument("--phase-base", choices=("full", "quick"), default="full",
+                    help="--suite phase: the base models' SFT size (full: the default build, "
+                         "whose no-hint probability is ~1e-6; quick: the --quick build's)")
 
 
 def _bad_arguments(a: argparse.Namespace) -> str | None:
     for name, value, least in (("--steps", a.steps, 3), ("--seeds", a.seeds, 1), ("--jobs", a.jobs, 1)):
         if value is not None and value < least:
             return f"{name} must be at least {least}, got {value}"
+    if getattr(a, "suite", "main") == "phase" and (getattr(a, "full", False) or a.seeds or a.no_compare):
+        return "--suite phase has its own fixed runs (quick size, seed 0): drop --full/--seeds/--no-compare"
     if not Path(a.recipe).is_file():
         return f"--recipe {a.recipe}: no such file"
     return None
@@ -284,6 +294,13 @@ def run(a: argparse.Namespace) -> int:
         print(f"demo: error: {problem}", file=sys.stderr)
         return 2
     try:
+        if getattr(a, "suite", "main") == "phase":
+            from megatron_tg.demo import phase
+
+            base = dict(B.QUICK) if a.phase_base == "quick" else {}
+            plan = Plan(**{**QUICK.__dict__, "heldout": 0, "base_overrides": base,
+                           **({"steps": a.steps} if a.steps is not None else {})})
+            return phase.run(a, plan, Path(a.recipe).resolve(), sys.executable, _log)
         return _main(a)
     except RuntimeError as exc:  # a conversion or an RL run failed: its log tail is in the message
         print(f"demo: error: {exc}", file=sys.stderr)

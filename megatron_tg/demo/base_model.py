@@ -31,7 +31,10 @@ Measured (one torch thread, the 2-core CI machine; ~390k parameters): the defaul
 (400 steps x 32 sequences) takes ~70 s of SFT and ~80 s in all (CPU time); seeds 0 / 1 / 2
 give task success without hint 0.99 / 0.99 / 0.98, new format without hint 0 (exact branch
 probability ~1e-6), new format with hint 1.0, success after a forced new-format call without
-hint 0.99–1.0. ``QUICK`` (300 steps): ~52 s of SFT, rates in :data:`QUICK_EXPECTED`.
+hint 0.99–1.0. ``QUICK`` (300 steps): ~52 s of SFT, rates in :data:`QUICK_EXPECTED`; its
+exact no-hint branch probability is 2.8e-5, not ~1e-6. The phase experiment's knob
+(``new_no_hint_fraction`` 0.05 with ``new_no_hint_branch_weight`` 0.003 / 0.2, default build)
+gave 4.8e-5 / 5.1e-3 (``python -m megatron_tg.demo --suite phase``, seed 0).
 """
 
 from __future__ import annotations
@@ -80,6 +83,17 @@ class BaseModelConfig:
     off-branch KL mean < 0.001, max 0.04 (seed 0); 0.25 cost task success in one build
     (0.87 without hint, 0.54 with); 0.15, and 0.1 with context_fraction 0.3, kept it at
     0.98-0.99 (seed 0, 256 episodes each)."""
+    new_no_hint_fraction: float = 0.0
+    """Fraction of the hint-less examples whose tool call uses the new format and is TRAINED
+    (kind ``plain_new``): the knob of the phase experiment, which needs base models whose
+    no-hint probability of the new format is ~1e-4 or ~1e-2 instead of ~1e-6. 0 (default): no
+    such example, the base model of paper §5.1."""
+    new_no_hint_branch_weight: float = 1.0
+    """Loss weight of the format's branch token in ``plain_new`` examples (the rest of the call
+    keeps weight 1, so a model that does branch writes a well-formed new-format call). The
+    weighted-CE optimum of the branch probability is about f*w / (f*w + 1 - f) with f =
+    ``new_no_hint_fraction``, w this weight: a fraction alone cannot reach 1e-4 with a pool of
+    a few thousand examples (it would be under one example)."""
     pool_size: int = 4096
     """Distinct SFT examples, rendered and tokenised once, then sampled with replacement."""
     # model (Qwen3MoeConfig)
@@ -153,23 +167,29 @@ def build_hash(cfg: BaseModelConfig) -> str:
 # ------------------------------------------------------------------------------ data
 class SFTExample(NamedTuple):
     ids: list[int]
-    mask: list[int]
-    """1 on the tokens trained on (assistant turns; not turn 0 of a ``context`` example)."""
+    mask: list[float]
+    """Loss weight per token: 1 on the tokens trained on (assistant turns; not turn 0 of a
+    ``context`` example), 0 elsewhere; ``new_no_hint_branch_weight`` on the branch token of a
+    ``plain_new`` example."""
     kind: str
     """``plain`` (old format, no hint), ``hint`` (hint before turn 0, new format),
-    ``context`` (no hint, new-format call as untrained context, then the trained answer) or
-    ``hint_old`` (hint, old-format call trained except its branch token)."""
+    ``context`` (no hint, new-format call as untrained context, then the trained answer),
+    ``hint_old`` (hint, old-format call trained except its branch token) or ``plain_new``
+    (no hint, new-format call trained)."""
 
 
 def _example_messages(rng: random.Random, task: T.FactTask, hint_fraction: float,
-                      context_fraction: float = 0.0, hint_old_fraction: float = 0.0):
+                      context_fraction: float = 0.0, hint_old_fraction: float = 0.0,
+                      new_no_hint_fraction: float = 0.0):
     with_hint = rng.random() < hint_fraction
     lines = rng.randint(*T.NEW_FORMAT_LINES)
     if with_hint:
         kind = "hint_old" if hint_old_fraction > 0 and rng.random() < hint_old_fraction else "hint"
+    elif new_no_hint_fraction > 0 and rng.random() < new_no_hint_fraction:
+        kind = "plain_new"  # drawn only when the knob is on: the default build's stream is unchanged
     else:
         kind = "context" if context_fraction > 0 and rng.random() < context_fraction else "plain"
-    return T.reference_messages(task, new_format=kind in ("hint", "context"), lines=lines,
+    return T.reference_messages(task, new_format=kind in ("hint", "context", "plain_new"), lines=lines,
                                 hint=T.HINT if with_hint else None), kind
 
 
@@ -217,19 +237,23 @@ def format_branch(tokenizer, task: T.FactTask) -> int:
 
 
 def sft_examples(tokenizer, n: int, seed: int, hint_fraction: float,
-                 context_fraction: float = 0.0, hint_old_fraction: float = 0.0) -> list[SFTExample]:
+                 context_fraction: float = 0.0, hint_old_fraction: float = 0.0,
+                 new_no_hint_fraction: float = 0.0,
+                 new_no_hint_branch_weight: float = 1.0) -> list[SFTExample]:
     """``n`` SFT examples; the text is the chat template's rendering of
     :func:`reference_messages` (equal, token for token, to the rollout ``simulate_rollout``
     builds, with ``insert_feedback``'s placement of the hint). ``hint_fraction`` of them carry
     the hint (``hint_old_fraction`` of those are ``hint_old``, the rest ``hint``);
-    ``context_fraction`` of the others are ``context`` examples."""
+    ``new_no_hint_fraction`` of the others are ``plain_new``, ``context_fraction`` of the
+    rest ``context`` examples."""
     from megatron_tg.chat.framing import generation_prompt_ids, stop_token_id
 
     rng = random.Random(f"demo-sft:{seed}")
     msgs, kinds, tasks = [], [], []
     for i in range(n):
         task = T.make_task(seed, i, "sft")
-        m, k = _example_messages(rng, task, hint_fraction, context_fraction, hint_old_fraction)
+        m, k = _example_messages(rng, task, hint_fraction, context_fraction, hint_old_fraction,
+                                 new_no_hint_fraction)
         msgs.append(m)
         kinds.append(k)
         tasks.append(task)
@@ -252,6 +276,9 @@ def sft_examples(tokenizer, n: int, seed: int, hint_fraction: float,
             if list(x[start:start + len(old)]) != old:
                 raise RuntimeError(f"SFT example {task.id}: tool-call turn is not the reference turn")
             mask[start + format_branch(tokenizer, task)] = 0
+        elif k == "plain_new" and new_no_hint_branch_weight != 1.0:
+            start = mask.index(1)  # the branch token is the same in both formats' turn ids
+            mask[start + format_branch(tokenizer, task)] = new_no_hint_branch_weight
         out.append(SFTExample(list(x), mask, k))
     return out
 
@@ -466,15 +493,20 @@ def train(model, examples, cfg: BaseModelConfig, pad_id: int, log=None) -> list[
         batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
         L = max(len(x[0]) for x in batch)
         ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
-        tgt_mask = torch.zeros((len(batch), L), dtype=torch.bool)
+        weight = torch.zeros((len(batch), L), dtype=torch.float32)
         for b, (x, m, _) in enumerate(batch):
             ids[b, :len(x)] = torch.tensor(x)
-            tgt_mask[b, :len(m)] = torch.tensor(m, dtype=torch.bool)
+            weight[b, :len(m)] = torch.tensor(m, dtype=torch.float32)
+        tgt_mask = weight > 0
         # right padding needs no attention mask: causal attention never looks right.
         h = model.model(input_ids=ids).last_hidden_state
         sel = tgt_mask[:, 1:]
         logits = model.lm_head(h[:, :-1][sel])
-        loss = F.cross_entropy(logits.float(), ids[:, 1:][sel])
+        w = weight[:, 1:][sel]
+        if bool((w == 1).all()):  # the plain mean: the default build's arithmetic, unchanged
+            loss = F.cross_entropy(logits.float(), ids[:, 1:][sel])
+        else:  # per-token weights, normalised by the token count (a weight scales its token only)
+            loss = (F.cross_entropy(logits.float(), ids[:, 1:][sel], reduction="none") * w).sum() / w.numel()
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)
@@ -544,7 +576,8 @@ def build_base_model(out_dir: str | os.PathLike, *, seed: int = 0, steps: int | 
         eos, pad = stop_token_id(tok), tok.convert_tokens_to_ids(tok.pad_token)
         t0 = time.perf_counter()
         examples = sft_examples(tok, cfg.pool_size, cfg.seed, cfg.hint_fraction, cfg.context_fraction,
-                                cfg.hint_old_fraction)
+                                cfg.hint_old_fraction, cfg.new_no_hint_fraction,
+                                cfg.new_no_hint_branch_weight)
         data_s = time.perf_counter() - t0
         say(f"tokenizer {len(tok)} ids; {len(examples)} SFT examples, mean length "
             f"{sum(len(x) for x, _, _ in examples) / len(examples):.1f} tokens ({data_s:.1f} s)")

@@ -152,7 +152,9 @@ class BoldChecker(Checker):
 class ToolFormatChecker(Checker):
     """Every call to ``tool`` must pass ``parameter`` (and, if ``value_pattern`` is set, its
     value must fully match it). Calls to other tools pass. A malformed call whose function name
-    is ``tool`` fails; other malformed calls fail only with ``fail_on_malformed``.
+    is ``tool`` fails — an unterminated one too (e.g. cut by the token limit), whose name the
+parser reads from its ``<function=NAME>`` tag; other malformed calls fail only with
+``fail_on_malformed``.
 
     Scope ``any_tool_call`` checks one call at a time (``ctx.tool_call``); a turn scope checks
     all calls of the turn, the rollout scope all calls of all turns.

@@ -131,6 +131,13 @@ def test_parse_unterminated_thinking_and_recovery_after_bad_call():
     assert p.thinking == "long thought that never ends" and p.content == "" and not p.terminated
     p = parse_assistant("<tool_call>\n<function=a>\n<tool_call>\n<function=b>\n</function>\n</tool_call>")
     assert [c.name for c in p.tool_calls] == ["b"] and "unterminated" in p.errors[0].message
+    # the unterminated call's name is read when its <function=...> tag was written (a call cut
+    # by the token limit is still a call to that tool), and only then
+    assert p.errors[0].name == "a"
+    cut = parse_assistant("<tool_call>\n<function=search>\n<parameter=query>\nk12\n</parameter>\n<para")
+    assert [(e.name, e.message) for e in cut.errors] == [("search", "unterminated <tool_call>")]
+    for early in ("<tool_call>\n<function=sea", "<tool_call>\n", "<tool_call>\n<function=bad name!>\n"):
+        assert [e.name for e in parse_assistant(early).errors] == [None]
 
 
 @settings(max_examples=300, deadline=None)

@@ -137,6 +137,20 @@ def test_judge_on_hand_written_transcripts(tok):
     assert _judge(tok, hedged, t).passed["answer"] is False
     no_answer = old[:-2]  # ends with the tool call
     assert _judge(tok, no_answer, t).passed["answer"] is False
+    # a tool-call turn cut by the token limit before its call closes is no valid call: it fails
+    # the format criterion and gets its feedback (so TG gates it), like a malformed search call
+    from megatron_tg.chat.builder import RolloutBuilder, fake_logprobs
+
+    prompt = list(t.prompt_messages())
+    text = assistant_generation_text(tok, old[len(prompt)])
+    ids = encode(tok, text[:text.index("</parameter>") + len("</parameter>\n<para")])
+    b = RolloutBuilder(tok, prompt, task_id="t")
+    b.add_assistant(ids, fake_logprobs(ids), 0)
+    cut = b.build("length")
+    r = Judge(T.rubric(), tok).judge_sync(cut, t)
+    assert cut.finish_reason == "length"
+    assert r.passed == {"answer": False, "search_lines": False}
+    assert r.feedback_by_turn() == {0: T.FEEDBACK}
     # without task info or metadata the answer cannot be judged: a judge error, not a fail
     r = _judge(tok, old, None)
     assert not r.trainable and "answer" in r.judge_error
@@ -344,3 +358,24 @@ def test_hf_sampler_left_padding_and_episodes(quick_build):
         e.rollout.validate(vocab_size=len(tk))
         assert all(lp <= 0 for s in e.rollout.assistant_turns() for lp in s.logprobs)
         assert e.rollout.metadata["hint"] == T.HINT and "logprobs" not in e.rollout.metadata
+
+
+def test_plain_new_examples_train_the_new_call_with_a_weighted_branch(tok):
+    """The phase experiment's knob: hint-less examples whose new-format call is trained, the
+    branch token (``<parameter`` where the old format closes the call) at its own weight."""
+    ex = B.sft_examples(tok, 120, seed=0, hint_fraction=0.5, context_fraction=0.2,
+                        new_no_hint_fraction=0.4, new_no_hint_branch_weight=0.01)
+    gen = generation_prompt_ids(tok)
+    new = [e for e in ex if e.kind == "plain_new"]
+    assert len(new) > 10
+    for ids, mask, _ in new:
+        text = tok.decode(ids)
+        assert "<parameter=lines>" in text and T.HINT not in text
+        full = B.assistant_loss_mask(ids, gen, tok.eos_token_id)
+        off = [i for i, (m, f) in enumerate(zip(mask, full)) if m != f]
+        assert len(off) == 1 and mask[off[0]] == 0.01 and full[off[0]] == 1
+        assert tok.decode(ids[off[0]:]).startswith("<parameter=lines>")
+        assert tok.convert_ids_to_tokens([ids[off[0]]])[0] != "</"  # not the old format's branch
+    # the knob off: no such example, and the default draw is unchanged
+    assert not [e for e in B.sft_examples(tok, 120, seed=0, hint_fraction=0.5, context_fraction=0.2)
+                if e.kind == "plain_new"]

@@ -297,7 +297,30 @@ def test_main_rejects_bad_arguments(capsys):
     for argv, msg in ((["--steps", "2"], "--steps must be at least 3"),
                       (["--quick", "--full"], "not allowed with argument"),
                       (["--jobs", "0"], "--jobs must be at least 1"),
-                      (["--recipe", "missing.yaml"], "no such file")):
+                      (["--recipe", "missing.yaml"], "no such file"),
+                      (["--suite", "phase", "--full"], "--suite phase has its own fixed runs")):
         with pytest.raises(SystemExit) as exc:
             D.main(argv)
         assert exc.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_phase_diagnostics_count_rescue_steps(tmp_path):
+    """The phase table's KL columns come from the rescue-row metrics of the steps that had any."""
+    from megatron_tg.demo import phase as P
+
+    d = tmp_path / "rev"
+    _write_rows(d, [0.0] * 4, [1.0] * 4)
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    rows[0].update({"kl/rescue_mass": 0.05, "kl/rescue_mass_max": 1.0, "kl/rescue_grad_reverse_max": 0.004,
+                    "kl/rescue_grad_forward_min": 1.41})
+    rows[2].update({"kl/rescue_mass_max": 0.7, "kl/rescue_grad_reverse_max": 0.2,
+                    "kl/rescue_grad_forward_min": 1.2})
+    rows[3]["kl/rescue_mass_max"] = 0.3  # below 0.5: no rescue row that step
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    g = P._diagnostics(d)
+    assert g == {"rescue_steps": 2, "steps": 4, "rescue_mass_step1": 0.05, "rescue_mass_max": 1.0,
+                 "rescue_grad_reverse_max": 0.2, "rescue_grad_forward_min": 1.2}
+    s = {**R.summarize_run(d, 2), **g, "rolling_gap": -0.25, "seconds": 12.0}
+    text = P.table({"1e-4": {"p_branch_no_hint_mean": 1.2e-4, "runs": {"grpo": s, "reverse": s}}})
+    assert "1.20e-04" in text and "-0.250" in text and "2/4" in text and "0.0500" in text
+    assert [ln.split()[2] for ln in text.splitlines()[1:]] == ["grpo", "reverse"]
