@@ -165,6 +165,10 @@ class Trainer:
         return state
 
     def save(self, extra: dict[str, Any]) -> str:
+        """Collective. With ``checkpoint.async_save`` (the default) the checkpoint becomes
+        ``latest`` only at a later ``self.checkpointer.finalize()``, once every rank's write has
+        finished; a process that exits without it leaves the previous checkpoint as latest
+        (the loop finalizes every step and blocks on the last save before exiting)."""
         state = {"objective": self.objective.guard.state_dict(), **extra}
         return str(self.checkpointer.save(self.step, self.model, self.optimizer, state,
                                           self.expert_model, self.ema))
