@@ -25,7 +25,10 @@ from megatron_tg.rollout.engine.launch import restart_engine, start_engines
 from tests.train.test_kill_resume import RUBRIC, _rows, _tail, policy_dir  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
-N = 4
+# Steps after B's return. Restarting an engine takes about 2.4 trainer steps on a 2-core
+# machine (7.2 s against 3 s a step, measured here), so 4 steps left it no sync to come back
+# at; 8 leave 6 syncs after step 2, where B's restart begins.
+N = 8
 
 
 def _start(policy_dir, run_dir: Path, rubric: Path, urls) -> subprocess.Popen:
@@ -71,6 +74,8 @@ def test_training_goes_on_through_an_engines_loss_and_return(policy_dir, tmp_pat
         engines[1].kill()                       # B dies while step 2 generates
         _wait_row(proc, run, 2, deadline)
         engines[1] = restart_engine(engines[1])  # back, on its base weights
+        back_at = max(r["step"] for r in _rows(run))
+        assert back_at < N, f"B came back after the last step ({back_at}); nothing could admit it"
         assert proc.wait(timeout=900) == 0, _tail(run)
         with urllib.request.urlopen(f"{engines[1].url}/model_info", timeout=10) as r:
             b_version = json.loads(r.read())["weight_version"]
