@@ -242,3 +242,11 @@ def test_hinted_samples_from_the_engine(engine):
         start = mb.student.flat(q, 0)
         got = mb.routed_experts[start:start + h.routed_experts.rows]
         assert torch.equal(got.long(), torch.from_numpy(h.routed_experts.ids.astype(np.int64)))
+
+
+@pytest.mark.parametrize("bad", [-1, "2", 1.5])
+def test_hinted_samples_must_be_a_count(bad):
+    from megatron_tg.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match="objective.hinted_samples must be an integer >= 0"):
+        ObjectiveConfig(hinted_samples=bad).validate()
