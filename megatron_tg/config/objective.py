@@ -171,6 +171,14 @@ class ObjectiveConfig:
     Saves the expert's compute over the prefix: most of a rollout when the failing turns are
     late. False: the expert runs over whole expert sequences (the paper's naive cost)."""
 
+    hinted_samples: int = 0
+    """Per failing turn, this many samples of that turn drawn by the engines with its feedback
+    in context (after judging; :mod:`megatron_tg.train.hinted`), trained with the KL term only,
+    student on its own context and expert on the feedback context. It teaches the expert's
+    whole changed span, not only its first token (the branch the student's own turn reaches).
+    Costs one generation request per sample and its tokens in both passes. 0: the paper's
+    method (KL on the student's own turns only)."""
+
     logits_chunk_size: int = 1024
     """Tokens per chunk in the vocab-parallel ops: peak extra memory ≈ chunk × V/TP floats."""
 
@@ -218,6 +226,9 @@ class ObjectiveConfig:
         if not 0.0 < self.kl_rescue_threshold < 1.0:
             raise ConfigError(f"objective.kl_rescue_threshold must be in (0, 1), got "
                               f"{self.kl_rescue_threshold}")
+        if not isinstance(self.hinted_samples, int) or self.hinted_samples < 0:
+            raise ConfigError(f"objective.hinted_samples must be an integer >= 0, got "
+                              f"{self.hinted_samples!r}")
         if self.logits_chunk_size < 1:
             raise ConfigError(f"objective.logits_chunk_size must be >= 1, got {self.logits_chunk_size}")
         for name, w in self.criterion_weights.items():

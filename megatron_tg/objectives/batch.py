@@ -97,6 +97,13 @@ class PolicyBatch:
     """Step total of assistant tokens, for token-level ("global") GRPO (default: counted here)."""
     num_gated_tokens: Optional[float] = None
     """Step total of Σ gate, for kl_token_normalization="global" (default: counted here)."""
+    pg_mask: Optional[torch.Tensor] = None
+    """[N] bool: rows of the rollouts' own samples, the only ones the GRPO term and the policy
+    metrics see (False on KL-only rows, e.g. hinted turns). None: every ``loss_mask`` row."""
+
+    def policy_mask(self) -> torch.Tensor:
+        """``loss_mask`` restricted to ``pg_mask``: the rows the GRPO term averages over."""
+        return self.loss_mask if self.pg_mask is None else self.loss_mask & self.pg_mask
 
     @property
     def num_rows(self) -> int:
@@ -110,7 +117,8 @@ class PolicyBatch:
     def validate(self) -> None:
         """Shape checks that catch layout mistakes early (cheap; no device sync beyond sizes)."""
         n = self.num_rows
-        for name in ("behaviour_logprobs", "loss_mask", "rollout_index", "gate"):
+        for name in ("behaviour_logprobs", "loss_mask", "rollout_index", "gate") + (
+                ("pg_mask",) if self.pg_mask is not None else ()):
             t = getattr(self, name)
             if t.shape != (n,):
                 raise ValueError(f"PolicyBatch.{name} must be [{n}], got {tuple(t.shape)}")

@@ -17,7 +17,8 @@ Math contract (per assistant token t of rollout i; A_i from ``rewards.group_adva
   weights a few versions stale in the async pipeline) and not by the trainer's π_old.
   With ``old_logprobs="behaviour"`` the engine gap is inside r_t and clipped by PPO
   instead; w_t = 1. So with the defaults the per-token gradient is −w_t·A_i·∇log π_θ(y_t).
-* Token mask: only assistant tokens (``loss_mask``); prompt and tool-output rows never count.
+* Token mask: only assistant tokens of the rollouts' own samples (``loss_mask`` and
+  ``pg_mask``); prompt and tool-output rows and KL-only rows (hinted turns) never count.
 * Aggregation, ``pg_token_normalization``:
   "rollout": L = (1/N_rollouts) Σ_i (1/|o_i|) Σ_{t∈o_i} ℓ_t, |o_i| = assistant tokens of i;
   "global":  L = Σ_t ℓ_t / (assistant tokens in the step).
@@ -66,7 +67,7 @@ def policy_gradient_term(logp: torch.Tensor, batch: PolicyBatch, cfg: ObjectiveC
 
     ``rows``, when given, receives ``is_weight`` [N]: the applied importance weight per row
     (1 without correction), for per-turn records."""
-    mask = batch.loss_mask.to(logp.dtype)
+    mask = batch.policy_mask().to(logp.dtype)
     adv = batch.advantages.to(logp.dtype)[batch.rollout_index]
     behaviour = batch.behaviour_logprobs.to(logp.dtype)
     proximal = proximal_logprobs(logp, batch, cfg)

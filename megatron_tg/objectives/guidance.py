@@ -80,8 +80,8 @@ def kl_token_weights(batch: PolicyBatch, cfg: ObjectiveConfig, gate_index: torch
             denom = per_rollout_sum(gate, batch.rollout_index, num_rollouts)
     else:
         denom = batch.rollout_assistant_tokens
-        if denom is None:
-            denom = per_rollout_sum(mask, batch.rollout_index, num_rollouts)
+        if denom is None:  # the rollout's own assistant tokens (not its hinted turns')
+            denom = per_rollout_sum(batch.policy_mask().to(dtype), batch.rollout_index, num_rollouts)
     denom = denom.to(dtype)[batch.rollout_index[gate_index]]
     rollouts = float(max(batch.num_rollouts or num_rollouts, 1))
     # A gated row implies its rollout's count is > 0; the clamp only guards bad step totals.
@@ -129,9 +129,8 @@ def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist
     gate_index = batch.resolved_gate_index()
     student = batch.logits if batch.logits is not None else batch.hidden
     dtype = torch.promote_types(student.dtype, torch.float32)
-    mask = batch.loss_mask.to(dtype)
-    gate = batch.gate.to(dtype) * mask
-    metrics = {"kl/frac_gated": gate.sum() / mask.sum().clamp(min=1.0)}
+    own = batch.policy_mask().to(dtype)  # the rollouts' own rows (hinted rows are all gated)
+    metrics = {"kl/frac_gated": (batch.gate.to(dtype) * own).sum() / own.sum().clamp(min=1.0)}
     g = gate_index.numel()
     if g == 0:
         metrics["kl/mean_gated"] = torch.zeros((), dtype=dtype)
@@ -160,7 +159,7 @@ def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist
             **kw)
 
     with torch.no_grad():
-        gate_w = gate[gate_index]
+        gate_w = (batch.gate.to(dtype) * batch.loss_mask.to(dtype))[gate_index]
         metrics["kl/mean_gated"] = (kl * gate_w).sum() / gate_w.sum().clamp(min=1e-12)
         if diag is not None:
             step_mean = _step_token_mean(batch, gate_w)

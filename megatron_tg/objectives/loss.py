@@ -92,7 +92,7 @@ class TGObjective:
         else:
             ent = fused_vocab_parallel_entropy(batch.hidden.detach(), batch.output_weight.detach(),
                                                self.group, **kw)
-        mask = batch.loss_mask.to(ent.dtype)
+        mask = batch.policy_mask().to(ent.dtype)  # the policy's own samples only
         gate = batch.gate.to(ent.dtype) * mask
         return {
             "entropy/all": (ent * mask).sum() / mask.sum().clamp(min=1.0),

@@ -38,6 +38,7 @@ from megatron_tg.chat.framing import build_expert_sequences
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.objectives.guidance import build_gate
 from megatron_tg.rollout.types import Rollout
+from megatron_tg.train.hinted import HintedTurn, hinted_rollout
 from megatron_tg.train.prefix_kv import PrefixPlan, build_prefix_plan
 
 
@@ -51,6 +52,18 @@ class TrainSample:
     """Assistant-turn index -> feedback text: the turns that get an expert (and a KL gate)."""
     reward: float | None = None
     """The scalar reward the advantage was computed from (for the per-sample records)."""
+    hinted: list[HintedTurn] = field(default_factory=list)
+    """Samples of failing turns drawn with their feedback in context (``objective.hinted_samples``,
+    :mod:`megatron_tg.train.hinted`): KL-only sequences of this rollout."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Student tokens this sample packs: the rollout and its hinted sequences."""
+        n = len(self.rollout.token_ids)
+        if self.hinted:
+            starts = [seg.start for seg in self.rollout.assistant_turns()]
+            n += sum(starts[h.turn] + len(h.token_ids) for h in self.hinted)
+        return n
 
 
 @dataclass
@@ -155,32 +168,36 @@ class MicroBatch:
     a rollout's last token) get experts 0..k-1: they influence no loss row."""
     routed_layers: tuple[int, ...] = ()
     """Decoder-layer index of each layer slice of ``routed_experts``."""
+    pg_mask: torch.Tensor | None = None
+    """[N] bool: rows of the rollouts' own tokens (the GRPO term and the policy metrics);
+    False on hinted sequences' rows, which only the KL term sees. None: every row."""
 
 
-def routed_experts_layout(samples: Sequence[TrainSample], student: PackedRows
+def routed_experts_layout(rollouts: Sequence[Rollout], student: PackedRows
                           ) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """The samples' engine routing laid out like ``student``'s tokens (see MicroBatch)."""
-    missing = [s.rollout.rollout_id for s in samples if s.rollout.routed_experts is None]
+    """The rollouts' engine routing laid out like ``student``'s tokens (see MicroBatch);
+    rollout ``k`` is packed sequence ``k``."""
+    missing = [ro.rollout_id for ro in rollouts if ro.routed_experts is None]
     if missing:
         raise ValueError(f"routing replay is on but rollout(s) {missing[:3]} carry no routed "
                          "experts (engine without --enable-return-routed-experts?)")
-    first = samples[0].rollout.routed_experts
-    for s in samples:
-        re = s.rollout.routed_experts
+    first = rollouts[0].routed_experts
+    for ro in rollouts:
+        re = ro.routed_experts
         # A loss row's hidden state depends on the routing of every position up to it: the
         # rows must reach the position before the last generated token.
-        need = max((seg.end for seg in s.rollout.assistant_turns()), default=1) - 1
+        need = max((seg.end for seg in ro.assistant_turns()), default=1) - 1
         if re.rows < need:
-            raise ValueError(f"rollout {s.rollout.rollout_id!r}: routed experts cover "
+            raise ValueError(f"rollout {ro.rollout_id!r}: routed experts cover "
                              f"{re.rows} positions, its loss needs {need}")
         if re.layers != first.layers or re.top_k != first.top_k:
-            raise ValueError(f"rollout {s.rollout.rollout_id!r}: routed experts for layers "
+            raise ValueError(f"rollout {ro.rollout_id!r}: routed experts for layers "
                              f"{re.layers} x top-{re.top_k}, others {first.layers} x top-{first.top_k}")
     b, width = student.tokens.shape
     out = torch.arange(first.top_k, dtype=torch.uint8 if first.num_experts <= 256 else torch.int16)
     out = out.repeat(b * width, len(first.layers), 1)
-    for k, s in enumerate(samples):
-        ids = torch.from_numpy(s.rollout.routed_experts.ids.copy())
+    for k, ro in enumerate(rollouts):
+        ids = torch.from_numpy(ro.routed_experts.ids.copy())
         start = student.flat(k, 0)
         out[start:start + ids.shape[0]] = ids.to(out.dtype)
     return out, tuple(first.layers)
@@ -195,26 +212,35 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
     ``prefix_reuse`` (shared-weight expert only): pack only the expert sequences' suffixes,
     from their first inserted feedback on; the expert pass takes the prefix keys/values from
     the student pass (:mod:`megatron_tg.train.prefix_kv`). ``routing_replay``: lay out the
-    engine's routed experts for the student pass (every sample must carry them)."""
-    student = pack([s.rollout.token_ids for s in samples], row_tokens, pad_multiple, pad_id)
-    rows, targets, behaviour, rindex, failed, thinking = [], [], [], [], [], []
-    tokref: list[tuple[int, int]] = []  # (sample, token index) of each loss row
+    engine's routed experts for the student pass (every sample must carry them).
+
+    A sample's hinted turns (:mod:`megatron_tg.train.hinted`) are packed after the samples as
+    sequences of their own, with the sample's rollout index: their rows carry the KL gate of
+    the failing turn they replace and are left out of ``pg_mask``."""
+    # Packed sequence k: sample k's rollout for k < len(samples), then the hinted sequences.
+    seqs: list[tuple[int, Rollout, bool]] = [(k, s.rollout, True) for k, s in enumerate(samples)]
+    seqs += [(k, hinted_rollout(s.rollout, h, tokenizer), False)
+             for k, s in enumerate(samples) for h in s.hinted]
+    student = pack([ro.token_ids for _, ro, _ in seqs], row_tokens, pad_multiple, pad_id)
+    rows, targets, behaviour, rindex, failed, thinking, own = [], [], [], [], [], [], []
+    tokref: list[tuple[int, int]] = []  # (packed sequence, token index) of each loss row
     turnref: list[int] = []  # assistant turn of each loss row
-    for k, s in enumerate(samples):
-        ro = s.rollout
+    for q, (k, ro, is_own) in enumerate(seqs):
         amask, tmask = ro.assistant_mask(), ro.thinking_mask()
         turn_of, lps = ro.turn_index_per_token(), ro.logprobs_per_token()
-        for i in range(1, len(ro.token_ids)):
+        first = 1 if is_own else ro.assistant_turns()[-1].start  # hinted: its last turn only
+        for i in range(max(first, 1), len(ro.token_ids)):
             if not amask[i]:
                 continue
-            rows.append(student.flat(k, i - 1))
-            tokref.append((k, i))
+            rows.append(student.flat(q, i - 1))
+            tokref.append((q, i))
             turnref.append(turn_of[i])
             targets.append(ro.token_ids[i])
             behaviour.append(lps[i])
             rindex.append(k)
-            failed.append(turn_of[i] in s.feedback_by_turn)
+            failed.append(turn_of[i] in samples[k].feedback_by_turn)
             thinking.append(bool(tmask[i]))
+            own.append(is_own)
     rows_t = torch.tensor(rows, dtype=torch.long)
     loss_mask = torch.ones(len(rows), dtype=torch.bool)
     failed_t = torch.tensor(failed, dtype=torch.bool)
@@ -227,12 +253,12 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
     for j in gate.nonzero().squeeze(1).tolist():
         gated_turns.setdefault(tokref[j][0], set()).add(turnref[j])
     expert_seqs: list[list[int]] = []
-    prefixes: list[tuple[int, int, int]] = []  # per expert sequence: (sample, prefix, suffix)
-    expert_pos: dict[tuple[int, int], tuple[int, int]] = {}  # (sample, token i) -> (eseq, epos)
+    prefixes: list[tuple[int, int, int]] = []  # per expert sequence: (packed seq, prefix, suffix)
+    expert_pos: dict[tuple[int, int], tuple[int, int]] = {}  # (packed seq, token i) -> (eseq, epos)
     for k, turns in sorted(gated_turns.items()):
-        fb = {t: samples[k].feedback_by_turn[t] for t in sorted(turns)}
-        for eseq in build_expert_sequences(samples[k].rollout, fb, tokenizer,
-                                           cfg.expert_sequence, framing):
+        owner, ro, _ = seqs[k]
+        fb = {t: samples[owner].feedback_by_turn[t] for t in sorted(turns)}
+        for eseq in build_expert_sequences(ro, fb, tokenizer, cfg.expert_sequence, framing):
             e = len(expert_seqs)
             # Tokens before the first inserted feedback are the student's own (same ids,
             # same positions): with prefix reuse the expert pass skips them.
@@ -248,6 +274,7 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
     rows_t = rows_t[order]
     fields = [torch.tensor(x)[order] for x in (targets, behaviour, rindex, turnref)]
     gate = gate[order]
+    own_t = torch.tensor(own, dtype=torch.bool)[order]
     expert = None
     if expert_seqs:
         # An expert sequence is longer than its rollout by the inserted feedback, so a rollout
@@ -266,8 +293,9 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
         behaviour_logprobs=fields[1].float(), loss_mask=loss_mask, rollout_index=fields[2].long(),
         gate=gate, turn_index=fields[3].long(), advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         expert=expert, expert_rows=torch.tensor(expert_rows, dtype=torch.long),
-        num_rollouts=len(samples), num_tokens=sum(len(s.rollout.token_ids) for s in samples),
-        expert_prefix=plan,
-        **(dict(zip(("routed_experts", "routed_layers"), routed_experts_layout(samples, student)))
+        num_rollouts=len(samples), num_tokens=sum(len(ro.token_ids) for _, ro, _ in seqs),
+        expert_prefix=plan, pg_mask=None if bool(own_t.all()) else own_t,
+        **(dict(zip(("routed_experts", "routed_layers"),
+                    routed_experts_layout([ro for _, ro, _ in seqs], student)))
            if routing_replay else {}))
 

@@ -164,7 +164,7 @@ class RolloutSide:
                  version: int = 0, llm=None,
                  rollout_metrics: Callable[[Sequence[Rollout]], dict[str, float]] | None = None
                  ) -> None:
-        self.cfg, self.rubric = cfg, rubric
+        self.cfg, self.rubric, self.tokenizer = cfg, rubric, tokenizer
         primary_criteria(cfg.objective, rubric)  # a bad name fails here, not at the first batch
         if cfg.rollout.tool_call_reading == "sglang":  # no sglang: fail now, not per rollout
             from megatron_tg.chat.tool_reading import require_sglang
@@ -243,6 +243,14 @@ class RolloutSide:
         it = iter(results)
         per_group = [[next(it) for _ in g.rollouts] for g in groups]
         samples, lost, metrics = judged_samples(groups, per_group, self.rubric, self.cfg)
+        obj = self.cfg.objective
+        if obj.hinted_samples and mode_switches(obj).kl and samples:
+            from megatron_tg.train.hinted import add_hinted_turns
+
+            metrics.update(self.call(add_hinted_turns(
+                self.client, samples, self.tokenizer, n=obj.hinted_samples,
+                framing=self.cfg.judge.feedback_role, sampling_params=self.manager.sampling_params,
+                seed=self.cfg.rollout.sampling_seed, routing=routing_spec(self.cfg))))
         # Every rollout with its verdict, judge errors included, for the per-sample records.
         self.last_judged = [(ro, res) for g, rs in zip(groups, per_group)
                             for ro, res in zip(g.rollouts, rs)]

@@ -187,7 +187,7 @@ def run_step(model: torch.nn.Module, objective: TGObjective, batches: Sequence[M
         batch = PolicyBatch(
             target_ids=mb.target_ids, behaviour_logprobs=mb.behaviour_logprobs,
             loss_mask=mb.loss_mask, rollout_index=mb.rollout_index, advantages=mb.advantages,
-            gate=mb.gate, hidden=select_rows(output_tensor, mb.rows),
+            gate=mb.gate, pg_mask=mb.pg_mask, hidden=select_rows(output_tensor, mb.rows),
             output_weight=student.output_weight, expert_hidden=eh,
             # The shared-weight expert uses the student's (live, detached) weight in the op.
             expert_output_weight=ew if expert_model is not None else None, **totals)

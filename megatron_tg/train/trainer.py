@@ -44,7 +44,7 @@ def split_by_tokens(samples: Sequence[TrainSample], budget: int) -> list[list[Tr
     cur: list[TrainSample] = []
     used = 0
     for s in samples:
-        n = len(s.rollout.token_ids)
+        n = s.num_tokens
         if n > budget:
             raise ValueError(f"rollout {s.rollout.rollout_id!r} has {n} tokens, more than "
                              f"optimizer.micro_batch_tokens={budget}")
@@ -197,7 +197,8 @@ class Trainer:
                                      routing_replay=self.routing_replay) for group in micro]
         # Step totals: every micro-batch normalises by the whole step, not by itself.
         totals = dict(num_rollouts=len(samples),
-                      num_assistant_tokens=float(sum(int(mb.loss_mask.sum()) for mb in batches)),
+                      num_assistant_tokens=float(sum(int(mb.loss_mask.sum() if mb.pg_mask is None
+                                                         else mb.pg_mask.sum()) for mb in batches)),
                       num_gated_tokens=float(sum(float(mb.gate.sum()) for mb in batches)))
         turn_stats = TurnStatsAccumulator() if self.cfg.logging.samples_per_step else None
         # Which passes run per micro-batch on every rank (EP lock-step, padding): decided once.

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.train.test_kill_resume import RUBRIC
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -142,9 +143,13 @@ def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
 @pytest.mark.slow
 def test_loop_with_the_rollout_side_as_its_own_process(policy_dir, tmp_path):
     """rollout.service=local: rank 0 starts the service (which starts the engine), trains
-    from its batches, pushes weights straight to the engine, and stops it at exit."""
+    from its batches (hinted turns included), pushes weights straight to the engine, and
+    stops it at exit."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    rubric = tmp_path / "coin_flips.yaml"
+    # every_turn: a turn cut by the token limit fails no_digit too (final_turn would not see it)
+    rubric.write_text(RUBRIC.replace("scope: final_turn\n    weight: 0.5", "scope: every_turn\n    weight: 0.5"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}
     res = subprocess.run(
@@ -153,7 +158,8 @@ def test_loop_with_the_rollout_side_as_its_own_process(policy_dir, tmp_path):
          f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir}/ckpt", "steps=2",
          "checkpoint.interval=100", "rollout.prompts_per_step=2", "rollout.group_size=2",
          "rollout.buffer_size=2", "rollout.max_new_tokens=48", "rollout.max_turns=2",
-         "rollout.max_staleness=1", "logging.progress_bar=false", "rollout.service=local"],
+         "rollout.max_staleness=1", "logging.progress_bar=false", "rollout.service=local",
+         f"judge.rubric={rubric}", "objective.primary_criteria=[has_e]", "objective.hinted_samples=1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     svc_log = run_dir / "rollout_service" / "service.log"
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + svc_log.read_text()[-3000:]
@@ -163,6 +169,12 @@ def test_loop_with_the_rollout_side_as_its_own_process(policy_dir, tmp_path):
         assert r["service/next_batch_s"] >= 0 and r["capacity/inflight_limit"] == 4
         assert r["sync/tensors"] > 0 and r["sync/probe_logprob_diff"] < 0.1
         assert r["rollout/turns"] >= 1 and r["turn/gen_s"] > 0
+    # objective.hinted_samples=1: every turn failing no_digit (the rubric's only feedback)
+    # got one hinted sample from the engine, over the RPC, and was trained on.
+    assert sum(r["hinted/samples"] for r in rows) > 0
+    for r in rows:
+        assert r["hinted/failed"] == 0
+        assert (r["hinted/samples"] > 0) == (r["kl/frac_gated"] > 0) and r["hinted/tokens"] >= r["hinted/samples"]
     start = json.loads((run_dir / "manifest.json").read_text())["starts"][0]
     pid = start["rollout_service"]["pid"]
     assert start["engines"] and "serving http://127.0.0.1:" in svc_log.read_text()

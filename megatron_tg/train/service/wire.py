@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from megatron_tg.judge.judge import CriterionResult, JudgeResult
 from megatron_tg.rollout.types import Rollout
 from megatron_tg.train.batching import TrainSample
+from megatron_tg.train.hinted import HintedTurn
 
 PROTOCOL = "tg-rollout/1"
 """Sent by both ends on connect; a service and a trainer that disagree refuse each other."""
@@ -89,7 +90,8 @@ def encode_batch(samples: Sequence[TrainSample], judged: Sequence[tuple[Rollout,
         if i is None:  # the side contract: every sample is one of the batch's judged rollouts
             raise WireError(f"sample {s.rollout.rollout_id!r} is not among the batch's judged rollouts")
         out_samples.append({"judged": i, "advantage": s.advantage, "reward": s.reward,
-                            "feedback": {str(k): v for k, v in s.feedback_by_turn.items()}})
+                            "feedback": {str(k): v for k, v in s.feedback_by_turn.items()},
+                            **({"hinted": [h.to_dict() for h in s.hinted]} if s.hinted else {})})
     return {"judged": [[ro.to_dict(), judge_result_to_dict(res)] for ro, res in judged],
             "samples": out_samples, "metrics": metrics}
 
@@ -103,7 +105,11 @@ def decode_batch(d: Any) -> tuple[list[TrainSample], list[tuple[Rollout, Any]], 
         i = s["judged"]
         if not isinstance(i, int) or not 0 <= i < len(judged):
             raise WireError(f"batch: sample index {i!r} outside the {len(judged)} judged rollouts")
+        try:
+            hinted = [HintedTurn.from_dict(h) for h in s.get("hinted", [])]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WireError(f"batch: sample {i}: bad hinted turn ({exc})") from exc
         samples.append(TrainSample(judged[i][0], float(s["advantage"]),
                                    {int(k): v for k, v in s["feedback"].items()},
-                                   reward=s["reward"]))
+                                   reward=s["reward"], hinted=hinted))
     return samples, judged, {str(k): float(v) for k, v in d["metrics"].items()}
