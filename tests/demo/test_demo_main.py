@@ -121,11 +121,13 @@ def test_summaries_final_rates_threshold_and_collapse(tmp_path):
 
 
 QUICK_TARGETS_MET = ("grpo_criterion_rate_le_0.05", "tg_criterion_rate_ge_0.8",
-                     "tg_criterion_0.8_by_step_20", "tg_criterion_rate_above_grpo")
+                     "tg_criterion_0.8_by_step_20", "tg_pass_rate_ge_grpo_minus_0.05",
+                     "tg_criterion_rate_above_grpo")
 """The README's targets the seeded quick demo meets (measured: ``python -m megatron_tg.demo
---quick``, seed 0). Its 3-step rolling task-success rule against GRPO (TG never more than 0.1
-below) is not met at this size (TG dips to 0.64 at steps 4-8 while its tool calls are
-malformed; README "Mid-run dip"): it is checked to be reported, not to be met."""
+--quick``, seed 0: TG's final pass rate 0.053 above GRPO's, with hinted turns and Adam
+without momentum). Its 3-step rolling task-success rule against GRPO (TG never more than 0.1
+below) is missed at this size (measured -0.115; README "hinted turns": the rule is within
+GRPO-vs-GRPO noise at 64 rollouts a step): it is checked to be reported, not to be met."""
 
 
 def check_quick_summary(summary: dict, stdout: str) -> None:
