@@ -177,7 +177,8 @@ class ObjectiveConfig:
     student on its own context and expert on the feedback context. It teaches the expert's
     whole changed span, not only its first token (the branch the student's own turn reaches).
     Costs one generation request per sample and its tokens in both passes. 0: the paper's
-    method (KL on the student's own turns only)."""
+    method (KL on the student's own turns only). Measured on the toy (README): pair it with
+    an EMA expert; with the shared one and forward KL it collapsed 3 of 3 seeds."""
 
     logits_chunk_size: int = 1024
     """Tokens per chunk in the vocab-parallel ops: peak extra memory ≈ chunk × V/TP floats."""
