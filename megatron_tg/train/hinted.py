@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -39,6 +40,9 @@ import numpy as np
 from megatron_tg.chat.framing import assistant_token_spans, insert_feedback
 from megatron_tg.rollout.routed_experts import RoutedExperts, RoutedExpertsBuilder
 from megatron_tg.rollout.types import Rollout, Segment
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -149,8 +153,10 @@ async def add_hinted_turns(client, samples: Sequence, tokenizer, *, n: int, fram
                            sampling_params: dict[str, Any], seed: int | None = None,
                            routing: dict[str, Any] | None = None) -> dict[str, float]:
     """``n`` hinted samples of every failing turn of ``samples`` (TrainSamples), appended to
-    each sample's ``hinted``. Returns metrics. A request that fails is counted, not raised:
-    the step trains without that hinted sample (the rollout itself is unaffected)."""
+    each sample's ``hinted``. Returns metrics. A request the engines fail
+    (:class:`~megatron_tg.rollout.client.SGLangClientError`, after the client's own retries)
+    is counted and logged, not raised: the step trains without that hinted sample (the
+    rollout itself is unaffected). Any other error is raised."""
     from megatron_tg.rollout.context import request_seed
 
     jobs = []
@@ -164,13 +170,20 @@ async def add_hinted_turns(client, samples: Sequence, tokenizer, *, n: int, fram
                 jobs.append((s, sample_hinted_turn(client, s.rollout, turn, fb, tokenizer,
                                                    framing=framing, sampling_params=p, rid=rid,
                                                    routing=routing)))
+    from megatron_tg.rollout.client import SGLangClientError
+
     results = await asyncio.gather(*(c for _, c in jobs), return_exceptions=True)
     failed = 0
     tokens = 0
     for (s, _), r in zip(jobs, results):
-        if isinstance(r, BaseException) or r is None:
+        if isinstance(r, SGLangClientError) or r is None:  # the engines' failure: this sample only
+            if failed == 0 and r is not None:
+                log.warning("hinted sample of %s failed (counted in hinted/failed): %s",
+                            s.rollout.rollout_id, r)
             failed += 1
             continue
+        if isinstance(r, BaseException):  # our bug, bad input or cancellation: never hidden
+            raise r
         s.hinted.append(r)
         tokens += len(r.token_ids)
     return {"hinted/samples": float(len(jobs) - failed), "hinted/failed": float(failed),

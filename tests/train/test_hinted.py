@@ -250,3 +250,38 @@ def test_hinted_samples_must_be_a_count(bad):
 
     with pytest.raises(ConfigError, match="objective.hinted_samples must be an integer >= 0"):
         ObjectiveConfig(hinted_samples=bad).validate()
+
+
+class _Answers:
+    """A client whose generate answers from a script: an exception to raise, or token ids."""
+
+    def __init__(self, script):
+        self.script, self.prompts = list(script), []
+
+    async def generate(self, ids, params, return_logprob=True, rid=None, extra=None):
+        from types import SimpleNamespace
+
+        self.prompts.append(list(ids))
+        what = self.script.pop(0)
+        if isinstance(what, BaseException):
+            raise what
+        return SimpleNamespace(output_ids=what, output_logprobs=[-0.1] * len(what),
+                               finish_type="stop", meta_info={})
+
+
+def test_an_engine_failure_costs_one_hinted_sample_and_other_errors_raise(setup):
+    from megatron_tg.rollout.client import SGLangClientError
+    from megatron_tg.train.hinted import add_hinted_turns
+
+    tok, plain, _, ids = setup
+    sample = TrainSample(plain[0].rollout, 0.7, {0: FB, 2: "Say why."})
+    client = _Answers([SGLangClientError("every server failed"), ids])
+    metrics = asyncio.run(add_hinted_turns(client, [sample], tok, n=1, framing="user",
+                                           sampling_params={"max_new_tokens": 8}))
+    assert metrics == {"hinted/samples": 1.0, "hinted/failed": 1.0, "hinted/tokens": float(len(ids))}
+    assert [h.turn for h in sample.hinted] == [2] and sample.hinted[0].token_ids == ids
+    # Not an engine failure (here a bug-shaped error from the client): raised, not counted.
+    with pytest.raises(TypeError, match="boom"):
+        asyncio.run(add_hinted_turns(_Answers([TypeError("boom"), ids]),
+                                     [TrainSample(plain[0].rollout, 0.7, {0: FB, 2: "x"})], tok,
+                                     n=1, framing="user", sampling_params={}))
