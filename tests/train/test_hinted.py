@@ -285,3 +285,28 @@ def test_an_engine_failure_costs_one_hinted_sample_and_other_errors_raise(setup)
         asyncio.run(add_hinted_turns(_Answers([TypeError("boom"), ids]),
                                      [TrainSample(plain[0].rollout, 0.7, {0: FB, 2: "x"})], tok,
                                      n=1, framing="user", sampling_params={}))
+
+
+def test_prefix_reuse_rebuilds_the_hinted_expert_sequences(setup):
+    """With prefix reuse (shared expert) every expert key segment, its prefix keys taken from
+    the student rows, is token for token an expert sequence of the build without reuse,
+    hinted ones included: a hinted suffix reuses its own student sequence's prefix."""
+    tok, _, hinted, _ = setup
+    cfg = ObjectiveConfig(mode="tg", expert="shared")
+    row = 2 * max(s.num_tokens for s in hinted)
+    full = build_micro_batch(hinted, tok, cfg, row_tokens=row)
+    reuse = build_micro_batch(hinted, tok, cfg, row_tokens=row, prefix_reuse=True)
+
+    def segments(flat, cu):
+        out = [tuple(flat[a:b]) for a, b in zip(cu[:-1], cu[1:])]
+        return sorted(seg for seg in out if any(seg))  # drop the rows' padding segments
+
+    want = segments(full.expert.tokens.reshape(-1).tolist(), full.expert.cu_seqlens.tolist())
+    plan = reuse.expert_prefix
+    keys = reuse.expert.tokens.reshape(-1).tolist() + reuse.student.tokens.reshape(-1)[plan.src].tolist()
+    got = segments([keys[i] for i in plan.kv_index.tolist()], plan.cu_seqlens_kv.tolist())
+    assert len(want) == 2 + 1  # rollout a's expert sequence and its two hinted turns'
+    assert got == want
+    nz = reuse.gate.nonzero().squeeze(1)
+    etok = reuse.expert.tokens.reshape(-1)
+    assert torch.equal(etok[reuse.expert_rows + 1], reuse.target_ids[nz])
