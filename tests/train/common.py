@@ -158,3 +158,19 @@ def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir
                                 n_gated=int(sum(float(m.gate.sum()) for m in mbs))))
         results.append(per_cfg)
     return results
+
+
+def compare_step(per_rank, ref, dp, what):
+    """Asserts equality within float32 tolerance; returns the max |difference| (loss, grads)."""
+    loss = sum(r["loss"] for r in per_rank if r["tp_rank"] == 0 and r["pp_rank"] == 0) / dp
+    torch.testing.assert_close(loss, ref["loss"], atol=1e-5, rtol=1e-4, msg=f"{what}: loss")
+    # Every stage reports the last stage's loss (broadcast over the pipeline).
+    assert len({float(r["loss"]) for r in per_rank if r["tp_rank"] == 0}) <= dp
+    grads = {}
+    for r in per_rank:
+        grads.update(r["grads"])
+    assert grads.keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(grads[name], g, atol=2e-5, rtol=2e-3, msg=f"{what}: {name}")
+    return (float((loss - ref["loss"]).abs()),
+            max(float((grads[k] - g).abs().max()) for k, g in ref["grads"].items()))

@@ -15,7 +15,7 @@ import torch
 
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.testing.distributed import run_distributed
-from tests.train.common import make_samples, step_rank_fn, tiny_policy
+from tests.train.common import compare_step, make_samples, step_rank_fn, tiny_policy
 
 CONFIGS = [ObjectiveConfig(mode="tg", kl_direction="reverse", kl_coef=0.5),
            ObjectiveConfig(mode="tg", kl_direction="forward", kl_coef=0.5,
@@ -33,17 +33,6 @@ def setup():
     return tok, cfg, state, samples, ref
 
 
-def _compare(per_rank, ref, dp, what):
-    loss = sum(r["loss"] for r in per_rank if r["tp_rank"] == 0) / dp
-    torch.testing.assert_close(loss, ref["loss"], atol=1e-5, rtol=1e-4, msg=f"{what}: loss")
-    grads = {}
-    for r in per_rank:
-        grads.update(r["grads"])
-    assert grads.keys() == ref["grads"].keys()
-    for name, g in ref["grads"].items():
-        torch.testing.assert_close(grads[name], g, atol=2e-5, rtol=2e-3, msg=f"{what}: {name}")
-
-
 @pytest.mark.parametrize("world,layouts", [(2, [(2, 1, 2), (1, 2, 1)]), (4, [(2, 2, 1)])],
                          ids=["tp2-ep2", "tp2xep2"])
 def test_parallel_step_matches_single_process(setup, world, layouts):
@@ -54,7 +43,7 @@ def test_parallel_step_matches_single_process(setup, world, layouts):
                           tok.name_or_path)
     for i, layout in enumerate(layouts):
         for c, obj in enumerate(CONFIGS):
-            _compare([o[i][c] for o in out], ref[c], world // layout[0],
+            compare_step([o[i][c] for o in out], ref[c], world // layout[0],
                      f"{layout} {obj.mode}/{obj.kl_direction}/{obj.expert_sequence}")
 
 

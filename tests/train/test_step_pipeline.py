@@ -13,13 +13,12 @@ frozen expert with other weights (its own model, its own output weight on the la
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron_tg.chat import get_tiny_tokenizer
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.testing.distributed import run_distributed
 from tests.models.qwen3_moe.common import tiny_hf_model
-from tests.train.common import make_samples, step_rank_fn
+from tests.train.common import compare_step, make_samples, step_rank_fn
 
 CONFIGS = [ObjectiveConfig(mode="tg", kl_direction="reverse", kl_coef=0.5),
            ObjectiveConfig(mode="tg", kl_direction="jsd", kl_coef=0.5, expert="frozen")]
@@ -37,22 +36,6 @@ def setup():
     return tok, cfg, state, samples, ref
 
 
-def _compare(per_rank, ref, dp, what):
-    """Asserts equality within float32 tolerance; returns the max |difference| (loss, grads)."""
-    loss = sum(r["loss"] for r in per_rank if r["tp_rank"] == 0 and r["pp_rank"] == 0) / dp
-    torch.testing.assert_close(loss, ref["loss"], atol=1e-5, rtol=1e-4, msg=f"{what}: loss")
-    # Every stage reports the last stage's loss (broadcast over the pipeline).
-    assert len({float(r["loss"]) for r in per_rank if r["tp_rank"] == 0}) <= dp
-    grads = {}
-    for r in per_rank:
-        grads.update(r["grads"])
-    assert grads.keys() == ref["grads"].keys()
-    for name, g in ref["grads"].items():
-        torch.testing.assert_close(grads[name], g, atol=2e-5, rtol=2e-3, msg=f"{what}: {name}")
-    return (float((loss - ref["loss"]).abs()),
-            max(float((grads[k] - g).abs().max()) for k, g in ref["grads"].items()))
-
-
 @pytest.mark.parametrize("world,layouts", [(2, [(1, 1, 1, 2)]), (4, [(2, 1, 2, 2), (1, 2, 1, 2)])],
                          ids=["pp2", "tp2xpp2+pp2xep2"])
 def test_pipeline_step_matches_single_stage(setup, world, layouts):
@@ -63,7 +46,7 @@ def test_pipeline_step_matches_single_stage(setup, world, layouts):
     for i, layout in enumerate(layouts):
         tp, ep, etp, pp = layout
         for c, obj in enumerate(CONFIGS):
-            dl, dg = _compare([o[i][c] for o in out], ref[c], world // (tp * pp),
+            dl, dg = compare_step([o[i][c] for o in out], ref[c], world // (tp * pp),
                               f"tp{tp} ep{ep} pp{pp} {obj.kl_direction}/{obj.expert}")
             print(f"tp{tp} ep{ep} pp{pp} {obj.kl_direction}/{obj.expert}: "
                   f"max |loss diff| {dl:.3g}, max |grad diff| {dg:.3g}")
@@ -82,6 +65,6 @@ def test_recompute_under_1f1b_replays_each_micro_batchs_experts(setup):
                           tok.name_or_path, MICRO, dict(routing_replay=True))[0][0]
     out = run_distributed(step_rank_fn, 2, [(1, 1, 1, 2)], flipped, cfg, samples, obj,
                           tok.name_or_path, MICRO, dict(routing_replay=True, recompute="full"))
-    dl, dg = _compare([o[0][0] for o in out], ref[0], 1, "pp2 recompute+replay")
+    dl, dg = compare_step([o[0][0] for o in out], ref[0], 1, "pp2 recompute+replay")
     print(f"pp2 full recompute + routing replay vs pp1: max |loss diff| {dl:.3g}, "
           f"max |grad diff| {dg:.3g}")
