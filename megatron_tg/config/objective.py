@@ -227,7 +227,8 @@ class ObjectiveConfig:
         if not 0.0 < self.kl_rescue_threshold < 1.0:
             raise ConfigError(f"objective.kl_rescue_threshold must be in (0, 1), got "
                               f"{self.kl_rescue_threshold}")
-        if not isinstance(self.hinted_samples, int) or self.hinted_samples < 0:
+        if (isinstance(self.hinted_samples, bool) or not isinstance(self.hinted_samples, int)
+                or self.hinted_samples < 0):
             raise ConfigError(f"objective.hinted_samples must be an integer >= 0, got "
                               f"{self.hinted_samples!r}")
         if self.logits_chunk_size < 1:

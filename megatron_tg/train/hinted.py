@@ -59,6 +59,13 @@ class HintedTurn:
     routed_experts: RoutedExperts | None = None
     """The engine's routing of the student sequence (routing replay), or None."""
 
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError(f"hinted turn {self.turn}: no tokens")
+        if len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"hinted turn {self.turn}: {len(self.logprobs)} log-probs for "
+                             f"{len(self.token_ids)} tokens")
+
     def to_dict(self) -> dict[str, Any]:
         d = {"turn": self.turn, "token_ids": list(self.token_ids), "logprobs": list(self.logprobs),
              "finish_reason": self.finish_reason}
@@ -107,8 +114,12 @@ def _finish(res) -> str:
 
 async def sample_hinted_turn(client, rollout: Rollout, turn: int, feedback: str, tokenizer, *,
                              framing: str, sampling_params: dict[str, Any], rid: str,
-                             routing: dict[str, Any] | None = None) -> HintedTurn | None:
-    """One hinted sample of ``turn`` (None when the engine returned no token)."""
+                             routing: dict[str, Any] | None = None,
+                             vocab_size: int | None = None) -> HintedTurn | None:
+    """One hinted sample of ``turn`` (None when the engine returned no token); a reply that
+    is not a valid turn raises :class:`~megatron_tg.rollout.context.MalformedOutputError`."""
+    from megatron_tg.rollout.context import MalformedOutputError
+
     eseq = insert_feedback(rollout, {turn: feedback}, tokenizer, framing)
     start = rollout.assistant_turns()[turn].start
     prompt = eseq.token_ids[:eseq.position_map[start]]  # the expert's context up to the turn
@@ -116,8 +127,14 @@ async def sample_hinted_turn(client, rollout: Rollout, turn: int, feedback: str,
     ids = [int(t) for t in res.output_ids]
     if not ids:
         return None
-    out = HintedTurn(turn, ids, [float(x) for x in res.output_logprobs or [0.0] * len(ids)],
-                     _finish(res))
+    lps = [float(x) for x in res.output_logprobs or []]
+    if len(lps) != len(ids):
+        raise MalformedOutputError(f"{rid}: {len(lps)} log-probs for {len(ids)} tokens")
+    bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
+    if bad:
+        raise MalformedOutputError(f"{rid}: token ids {bad[:5]} outside the vocabulary "
+                                   f"[0, {vocab_size})")
+    out = HintedTurn(turn, ids, lps, _finish(res))
     if routing:
         out.routed_experts = await _student_routing(client, rollout, start, ids, routing, rid)
     return out
@@ -141,8 +158,10 @@ async def _student_routing(client, rollout: Rollout, start: int, ids: list[int],
                                        "routed_experts_start_len": keep})
     payload = res.meta_info.get("routed_experts")
     if payload is None:
-        raise RuntimeError(f"{rid}: the engine returned no routed_experts for the hinted "
-                           "sequence (SGLang needs --enable-return-routed-experts)")
+        from megatron_tg.rollout.context import MalformedOutputError
+
+        raise MalformedOutputError(f"{rid}: the engine returned no routed_experts for the "
+                                   "hinted sequence (SGLang needs --enable-return-routed-experts)")
     fed = (seq + [int(t) for t in res.output_ids])[:-1]
     rows = decode_routed_experts(payload, 1, builder.top_k)
     builder.add(keep, rows.reshape(len(fed) - keep, -1, builder.top_k), fed[keep:])
@@ -151,11 +170,13 @@ async def _student_routing(client, rollout: Rollout, start: int, ids: list[int],
 
 async def add_hinted_turns(client, samples: Sequence, tokenizer, *, n: int, framing: str,
                            sampling_params: dict[str, Any], seed: int | None = None,
-                           routing: dict[str, Any] | None = None) -> dict[str, float]:
+                           routing: dict[str, Any] | None = None,
+                           vocab_size: int | None = None) -> dict[str, float]:
     """``n`` hinted samples of every failing turn of ``samples`` (TrainSamples), appended to
     each sample's ``hinted``. Returns metrics. A request the engines fail
     (:class:`~megatron_tg.rollout.client.SGLangClientError`, after the client's own retries)
-    is counted and logged, not raised: the step trains without that hinted sample (the
+    or answer with a malformed turn (``MalformedOutputError``: log-probs, token ids outside
+    ``vocab_size``, missing routing) is counted and logged, not raised: the step trains without that hinted sample (the
     rollout itself is unaffected). Any other error is raised."""
     from megatron_tg.rollout.context import request_seed
 
@@ -169,14 +190,16 @@ async def add_hinted_turns(client, samples: Sequence, tokenizer, *, n: int, fram
                     p["sampling_seed"] = request_seed(seed, _stable_int(rid))
                 jobs.append((s, sample_hinted_turn(client, s.rollout, turn, fb, tokenizer,
                                                    framing=framing, sampling_params=p, rid=rid,
-                                                   routing=routing)))
+                                                   routing=routing, vocab_size=vocab_size)))
     from megatron_tg.rollout.client import SGLangClientError
+    from megatron_tg.rollout.context import MalformedOutputError
 
     results = await asyncio.gather(*(c for _, c in jobs), return_exceptions=True)
     failed = 0
     tokens = 0
     for (s, _), r in zip(jobs, results):
-        if isinstance(r, SGLangClientError) or r is None:  # the engines' failure: this sample only
+        if isinstance(r, (SGLangClientError, MalformedOutputError)) or r is None:  # the engines'
+            # failure: this sample only
             if failed == 0 and r is not None:
                 log.warning("hinted sample of %s failed (counted in hinted/failed): %s",
                             s.rollout.rollout_id, r)

@@ -250,7 +250,8 @@ class RolloutSide:
             metrics.update(self.call(add_hinted_turns(
                 self.client, samples, self.tokenizer, n=obj.hinted_samples,
                 framing=self.cfg.judge.feedback_role, sampling_params=self.manager.sampling_params,
-                seed=self.cfg.rollout.sampling_seed, routing=self.manager.routing)))
+                seed=self.cfg.rollout.sampling_seed, routing=self.manager.routing,
+                vocab_size=len(self.tokenizer))))
         # Every rollout with its verdict, judge errors included, for the per-sample records.
         self.last_judged = [(ro, res) for g, rs in zip(groups, per_group)
                             for ro, res in zip(g.rollouts, rs)]

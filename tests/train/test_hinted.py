@@ -244,7 +244,7 @@ def test_hinted_samples_from_the_engine(engine):
         assert torch.equal(got.long(), torch.from_numpy(h.routed_experts.ids.astype(np.int64)))
 
 
-@pytest.mark.parametrize("bad", [-1, "2", 1.5])
+@pytest.mark.parametrize("bad", [-1, "2", 1.5, True])
 def test_hinted_samples_must_be_a_count(bad):
     from megatron_tg.config.base import ConfigError
 
@@ -255,8 +255,8 @@ def test_hinted_samples_must_be_a_count(bad):
 class _Answers:
     """A client whose generate answers from a script: an exception to raise, or token ids."""
 
-    def __init__(self, script):
-        self.script, self.prompts = list(script), []
+    def __init__(self, script, logprobs=None):
+        self.script, self.prompts, self.logprobs = list(script), [], logprobs
 
     async def generate(self, ids, params, return_logprob=True, rid=None, extra=None):
         from types import SimpleNamespace
@@ -265,7 +265,8 @@ class _Answers:
         what = self.script.pop(0)
         if isinstance(what, BaseException):
             raise what
-        return SimpleNamespace(output_ids=what, output_logprobs=[-0.1] * len(what),
+        lps = self.logprobs if self.logprobs is not None else [-0.1] * len(what)
+        return SimpleNamespace(output_ids=what, output_logprobs=lps,
                                finish_type="stop", meta_info={})
 
 
@@ -310,3 +311,20 @@ def test_prefix_reuse_rebuilds_the_hinted_expert_sequences(setup):
     nz = reuse.gate.nonzero().squeeze(1)
     etok = reuse.expert.tokens.reshape(-1)
     assert torch.equal(etok[reuse.expert_rows + 1], reuse.target_ids[nz])
+
+
+def test_malformed_engine_replies_are_counted_and_bad_wire_data_is_refused(setup):
+    from megatron_tg.train.hinted import add_hinted_turns
+    from megatron_tg.train.service.wire import WireError, decode_batch, encode_batch
+
+    tok, plain, hinted, ids = setup
+    for client, vocab in ((_Answers([ids], logprobs=[-0.1]), None),  # 1 log-prob for many tokens
+                          (_Answers([[len(tok) + 3]]), len(tok))):  # a token outside the vocabulary
+        sample = TrainSample(plain[0].rollout, 0.7, {0: FB})
+        metrics = asyncio.run(add_hinted_turns(client, [sample], tok, n=1, framing="user",
+                                               sampling_params={}, vocab_size=vocab))
+        assert metrics["hinted/failed"] == 1 and metrics["hinted/samples"] == 0 and not sample.hinted
+    wire = encode_batch(hinted[:1], [(hinted[0].rollout, None)], {})
+    wire["samples"][0]["hinted"][0]["logprobs"] = [0.0]
+    with pytest.raises(WireError, match="bad hinted turn .*1 log-probs for"):
+        decode_batch(wire)
