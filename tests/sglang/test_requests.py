@@ -60,7 +60,7 @@ def engine(tmp_path_factory):
     e.stop()
 
 
-def sglang_accepts(body: dict) -> None:
+def sglang_accepts(body: dict, vocab: int = VOCAB) -> None:
     """What SGLang does with a /generate body before scheduling it; raises where it would 400."""
     err = generate_contract_error(body)
     assert err is None, f"SGLang's contract gate refuses {body}: {err}"
@@ -69,22 +69,26 @@ def sglang_accepts(body: dict) -> None:
     for sp in (req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params]):
         params = SamplingParams(**sp)
         params.normalize(None)  # input_ids only: no tokenizer, as with --skip-tokenizer-init
-        params.verify(VOCAB)
+        params.verify(vocab)
 
 
-async def captured_bodies(url: str) -> list[dict]:
-    """Drive the client the way the rollout path does and return every /generate body sent."""
-    bodies: list[dict] = []
-
+def _tracing(bodies: list[dict]) -> aiohttp.ClientSession:
+    """A client session that appends every /generate body it sends to ``bodies``."""
     async def on_chunk(session, ctx, params):
         if str(params.url).endswith("/generate"):
             bodies.append(json.loads(params.chunk))
 
     trace = aiohttp.TraceConfig()
     trace.on_request_chunk_sent.append(on_chunk)
+    return aiohttp.ClientSession(trace_configs=[trace])
+
+
+async def captured_bodies(url: str) -> list[dict]:
+    """Drive the client the way the rollout path does and return every /generate body sent."""
+    bodies: list[dict] = []
     cfg = RolloutConfig()
     async with SGLangClient([url]) as client:
-        client._session = aiohttp.ClientSession(trace_configs=[trace])
+        client._session = _tracing(bodies)
         # RolloutManager's parameters, with RolloutContext's per-request seeds
         params = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": 6}
         ctx = RolloutContext(client, task=None, group_id="g", rollout_id="g/0", sampling_params=params,
@@ -107,6 +111,51 @@ def test_every_request_body_the_client_builds_is_accepted_by_sglang(engine):
     assert all(isinstance(b["sampling_params"].get("sampling_seed"), int) for b in bodies[:2])
     for body in bodies:
         sglang_accepts(body)
+
+
+def test_hinted_turn_requests_are_accepted_by_sglang(tmp_path):
+    """objective.hinted_samples' two requests per hinted sample -- the turn sampled on the
+    feedback context (seeded) and the prefill that asks for the student sequence's routing
+    (max_new_tokens=1, return_routed_experts, routed_experts_start_len) -- pass SGLang's own
+    request checks."""
+    from megatron_tg.chat import get_tiny_tokenizer
+    from megatron_tg.chat.builder import simulate_rollout
+    from megatron_tg.models.qwen3_moe import Qwen3Arch
+    from megatron_tg.models.tiny import build_tiny_policy
+    from megatron_tg.train.batching import TrainSample
+    from megatron_tg.train.hinted import add_hinted_turns
+    from tests.chat.convos import SEARCH_TOOL, conversation
+
+    policy = build_tiny_policy(tmp_path / "policy")
+    arch = Qwen3Arch.from_hf(policy)
+    routing = dict(moe_layers=arch.moe_layers, num_layers=arch.num_layers,
+                   top_k=arch.num_experts_per_tok, num_experts=arch.num_experts)
+    tok = get_tiny_tokenizer()
+    ro = simulate_rollout(tok, conversation()[:6], tools=[SEARCH_TOOL], group_id="g", rollout_id="r")
+    sample = TrainSample(ro, 1.0, {1: "Use the lines= argument of the search tool."})
+    (e,) = start_engines([policy], tmp_path / "logs", extra_args=["--enable-return-routed-experts"])
+    bodies: list[dict] = []
+
+    async def go():
+        async with SGLangClient([e.url]) as client:
+            client._session = _tracing(bodies)
+            return await add_hinted_turns(client, [sample], tok, n=1, framing="user",
+                                          sampling_params={"temperature": 1.0, "max_new_tokens": 6},
+                                          seed=3, routing=routing, vocab_size=len(tok))
+    try:
+        metrics = asyncio.run(go())
+    finally:
+        e.stop()
+    assert metrics["hinted/samples"] == 1 and metrics["hinted/failed"] == 0
+    assert len(bodies) == 2
+    turn, route = bodies
+    assert isinstance(turn["sampling_params"]["sampling_seed"], int)
+    # The simulated rollout carries no routing of its own, so every row is asked for.
+    assert route["return_routed_experts"] is True and route["routed_experts_start_len"] == 0
+    assert route["input_ids"] == ro.token_ids[:ro.assistant_turns()[1].start] + sample.hinted[0].token_ids
+    assert route["sampling_params"]["max_new_tokens"] == 1
+    for body in bodies:
+        sglang_accepts(body, vocab=arch.vocab_size)
 
 
 def test_every_reply_decodes_as_sglangs_generate_response(engine):
