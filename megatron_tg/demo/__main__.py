@@ -4,6 +4,7 @@
     python -m megatron_tg.demo --full --out runs/full     # + the KL direction x expert grid (20)
     python -m megatron_tg.demo --quick --out runs/quick   # CI-sized, seeded: a few minutes
     python -m megatron_tg.demo --suite phase --out runs/phase  # why reverse KL fails (:mod:`.phase`)
+    python -m megatron_tg.demo --suite paper --out runs/paper  # Table 1, Figs 5-7 (:mod:`.paper_suite`)
 
 1. base model: a tiny Qwen3-MoE SFT'd on the key-lookup task (:mod:`.base_model`): it solves
    the task with the ``search`` tool, never uses the new ``lines=`` format unaided, and uses it
@@ -76,6 +77,8 @@ class Plan:
     seeded: bool = False
     """Seed every run's sampling (``rollout.sampling_seed`` = its seed) and generate on the
     current weights only (``rollout.max_staleness=0``): a run no longer depends on timing."""
+    rl_args: tuple[str, ...] = ()
+    """Extra arguments of each ``megatron_tg.demo.rl`` process (e.g. ``--env paper``)."""
 
     def run_overrides(self, seed: int) -> list[str]:
         return [f"rollout.sampling_seed={seed}", "rollout.max_staleness=0"] if self.seeded else []
@@ -97,9 +100,11 @@ class RunSpec:
     """None: the recipe's ``objective.kl_direction``."""
     expert: str | None = None
     """None: the recipe's ``objective.expert``."""
+    extra: tuple[str, ...] = ()
+    """More ``key=value`` overrides of this run (e.g. ``objective.kl_coef=10``)."""
 
     def overrides(self) -> list[str]:
-        out = [f"objective.mode={self.mode}", f"seed={self.seed}"]
+        out = [f"objective.mode={self.mode}", f"seed={self.seed}", *self.extra]
         if self.expert is not None:
             out.append(f"objective.expert={self.expert}")
         if self.direction is not None:
@@ -147,9 +152,12 @@ def _env() -> dict[str, str]:
 def _identity(spec: RunSpec, plan: Plan, inputs: dict[str, str]) -> dict[str, Any]:
     """What makes a finished run reusable: its overrides, length, probe, base model build
     and recipe text. Anything else changed: the run is redone."""
-    return {"overrides": spec.overrides() + plan.run_overrides(spec.seed), "steps": plan.steps,
-            "probe_every": plan.probe_every if spec.mode == "tg" else 0,
-            "heldout": _heldout(spec, plan), **inputs}
+    ident = {"overrides": spec.overrides() + plan.run_overrides(spec.seed), "steps": plan.steps,
+             "probe_every": plan.probe_every if spec.mode == "tg" else 0,
+             "heldout": _heldout(spec, plan), **inputs}
+    if plan.rl_args:  # only when set: the main demo's finished runs stay reusable
+        ident["rl_args"] = list(plan.rl_args)
+    return ident
 
 
 def _heldout(spec: RunSpec, plan: Plan) -> int:
@@ -181,7 +189,7 @@ def run_one(spec: RunSpec, out: Path, plan: Plan, py: str, recipe: Path,
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     base = out / "base"
-    args = [py, "-m", "megatron_tg.demo.rl", "--recipe", str(recipe),
+    args = [py, "-m", "megatron_tg.demo.rl", "--recipe", str(recipe), *plan.rl_args,
             "--probe-every", str(plan.probe_every if spec.mode == "tg" else 0),
             f"model.hf_config={base}", f"model.hf_checkpoint={base}",
             f"model.megatron_checkpoint={out / 'base_megatron'}",
@@ -267,10 +275,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seed sampling and drop the asynchrony (always on with --quick)")
     ap.add_argument("--jobs", type=int, default=2, help="RL runs at a time (default 2: one per core)")
     ap.add_argument("--recipe", default=str(RECIPE), help="the RL recipe (default recipes/demo_cpu.yaml)")
-    ap.add_argument("--suite", choices=("main", "phase"), default="main",
+    ap.add_argument("--suite", choices=("main", "phase", "paper"), default="main",
                     help="main: the demo above; phase: base models with new-format no-hint "
                          "probability ~1e-6 / 1e-4 / 1e-2, each with GRPO, reverse+EMA and "
-                         "forward+EMA TG at the quick size, seed 0 (9 RL runs)")
+                         "forward+EMA TG at the quick size, seed 0 (9 RL runs); paper: Table 1 "
+                         "and Figures 5-7 on the environment with thinking and four criteria "
+                         "(7 runs per seed, 3 seeds; recipes/demo_paper_cpu.yaml)")
     ap.add_argument("--phase-base", choices=("full", "quick"), default="full",
                     help="--suite phase: the base models' SFT size (full: the default build, "
                          "whose no-hint probability is ~1e-6; quick: the --quick build's)")
@@ -282,6 +292,8 @@ def _bad_arguments(a: argparse.Namespace) -> str | None:
             return f"{name} must be at least {least}, got {value}"
     if getattr(a, "suite", "main") == "phase" and (getattr(a, "full", False) or a.seeds or a.no_compare):
         return "--suite phase has its own fixed runs (quick size, seed 0): drop --full/--seeds/--no-compare"
+    if getattr(a, "suite", "main") == "paper" and (getattr(a, "full", False) or a.quick or a.no_compare):
+        return "--suite paper has its own fixed runs: drop --full/--quick/--no-compare (--seeds/--steps set their number and length)"
     if not Path(a.recipe).is_file():
         return f"--recipe {a.recipe}: no such file"
     return None
@@ -294,6 +306,10 @@ def run(a: argparse.Namespace) -> int:
         print(f"demo: error: {problem}", file=sys.stderr)
         return 2
     try:
+        if getattr(a, "suite", "main") == "paper":
+            from megatron_tg.demo import paper_suite
+
+            return paper_suite.run(a, sys.executable, _log)
         if getattr(a, "suite", "main") == "phase":
             from megatron_tg.demo import phase
 

@@ -14,7 +14,7 @@ the judge's feedback only into the expert's context (paper §3).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from megatron_tg.chat.builder import RolloutBuilder
 from megatron_tg.demo import task as T
@@ -30,8 +30,10 @@ class DemoAgent:
     """
 
     def __init__(self, tokenizer, *, max_turns: int = 4, max_new_tokens: int = 48,
-                 max_context_tokens: int = 512) -> None:
+                 max_context_tokens: int = 512,
+                 metrics_fn: Callable[..., dict[str, Any]] = T.episode_metrics) -> None:
         self.tok = tokenizer
+        self.metrics_fn = metrics_fn  # the environment's episode verdicts (paper_env has its own)
         self.max_turns = max_turns
         self.max_new_tokens = max_new_tokens
         self.max_context_tokens = max_context_tokens
@@ -64,7 +66,7 @@ class DemoAgent:
                 responses = [T.run_tool_call(task, c) for c in calls]
             tool_errors += sum(r.startswith("Error:") for r in responses)
             b.add_messages([{"role": "tool", "content": r} for r in responses])
-        verdicts = T.episode_metrics(task, b.parsed, finish)
+        verdicts = self.metrics_fn(task, b.parsed, finish)
         metadata: dict[str, Any] = {**task.info(), "hint": None, **verdicts,
                                     "n_malformed_calls": sum(len(t.errors) for t in b.parsed),
                                     "n_tool_errors": tool_errors, "finish_reason": finish}

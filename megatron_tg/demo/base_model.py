@@ -546,13 +546,28 @@ def build_base_model(out_dir: str | os.PathLike, *, seed: int = 0, steps: int | 
     rates, ``sft_seconds`` (training only), ``build_seconds``, ``n_params``, losses, the hint
     text/role the model was trained with, the config and the hash.
     """
-    import torch
-
     if steps is not None:
         overrides["steps"] = steps
     cfg = BaseModelConfig(seed=seed, **overrides)
+    return build_with(
+        out_dir, cfg, build_hash(cfg), force=force, log=log,
+        corpus=lambda: tokenizer_corpus(cfg.tokenizer_docs, cfg.seed),
+        examples=lambda tok: sft_examples(tok, cfg.pool_size, cfg.seed, cfg.hint_fraction,
+                                          cfg.context_fraction, cfg.hint_old_fraction,
+                                          cfg.new_no_hint_fraction, cfg.new_no_hint_branch_weight),
+        evaluate_fn=lambda model, tok: evaluate(model, tok, cfg),
+        extra={"hint_text": T.HINT, "hint_role": T.FEEDBACK_ROLE, "feedback": T.FEEDBACK})
+
+
+def build_with(out_dir: str | os.PathLike, cfg: BaseModelConfig, h: str, *, corpus, examples,
+               evaluate_fn, extra: dict[str, Any], force: bool = False, log=None) -> dict[str, Any]:
+    """The build steps shared by this module's base model and the paper suite's
+    (:mod:`.paper_base`): reuse a complete build of hash ``h``, else fit the tokenizer on
+    ``corpus()``, make the SFT pool ``examples(tokenizer)``, train (:func:`train`), evaluate
+    (``evaluate_fn(model, tokenizer)``), save; ``extra`` goes into the metrics as is."""
+    import torch
+
     out = Path(out_dir)
-    h = build_hash(cfg)
     prev = load_metrics(out)
     if not force and prev is not None and prev.get("build_hash") == h and _complete(out):
         return {**prev, "cached": True}
@@ -571,36 +586,32 @@ def build_base_model(out_dir: str | os.PathLike, *, seed: int = 0, steps: int | 
         mp = out / METRICS_FILE
         if mp.exists():
             mp.unlink()  # an interrupted rebuild must not look complete
-        tok = build_tiny_tokenizer(out, corpus=tokenizer_corpus(cfg.tokenizer_docs, cfg.seed),
-                                   vocab_size=cfg.vocab_size)
+        tok = build_tiny_tokenizer(out, corpus=corpus(), vocab_size=cfg.vocab_size)
         eos, pad = stop_token_id(tok), tok.convert_tokens_to_ids(tok.pad_token)
         t0 = time.perf_counter()
-        examples = sft_examples(tok, cfg.pool_size, cfg.seed, cfg.hint_fraction, cfg.context_fraction,
-                                cfg.hint_old_fraction, cfg.new_no_hint_fraction,
-                                cfg.new_no_hint_branch_weight)
+        pool = examples(tok)
         data_s = time.perf_counter() - t0
-        say(f"tokenizer {len(tok)} ids; {len(examples)} SFT examples, mean length "
-            f"{sum(len(x) for x, _, _ in examples) / len(examples):.1f} tokens ({data_s:.1f} s)")
+        say(f"tokenizer {len(tok)} ids; {len(pool)} SFT examples, mean length "
+            f"{sum(len(x) for x, _, _ in pool) / len(pool):.1f} tokens ({data_s:.1f} s)")
 
         torch.manual_seed(cfg.seed)
         model = Qwen3MoeForCausalLM(cfg.model_config(len(tok), eos, pad))
         n_params = sum(p.numel() for p in model.parameters())
         say(f"Qwen3MoeForCausalLM: {n_params:,} parameters")
         t0, c0 = time.perf_counter(), time.process_time()
-        losses = train(model, examples, cfg, pad, log=say)
+        losses = train(model, pool, cfg, pad, log=say)
         sft_s, sft_cpu = time.perf_counter() - t0, time.process_time() - c0
 
         t0 = time.perf_counter()
-        metrics = evaluate(model, tok, cfg)
+        metrics = evaluate_fn(model, tok)
         eval_s = time.perf_counter() - t0
         model.generation_config.eos_token_id = eos
         model.generation_config.pad_token_id = pad
         model.save_pretrained(out)
         metrics.update({
             "build_hash": h, "config": dataclasses.asdict(cfg), "n_params": n_params,
-            "vocab_size": len(tok), "hint_text": T.HINT, "hint_role": T.FEEDBACK_ROLE,
-            "feedback": T.FEEDBACK,
-            "mean_sft_tokens": sum(len(x) for x, _, _ in examples) / len(examples),
+            "vocab_size": len(tok), **extra,
+            "mean_sft_tokens": sum(len(x) for x, _, _ in pool) / len(pool),
             "sft_seconds": round(sft_s, 1), "sft_cpu_seconds": round(sft_cpu, 1),
             "sft_ms_per_step": round(1000 * sft_s / cfg.steps, 1),
             "eval_seconds": round(eval_s, 1), "data_seconds": round(data_s, 1),

@@ -58,7 +58,19 @@ def episode_rates(rollouts: Sequence[Rollout]) -> dict[str, float]:
             "demo/malformed": sum(int(m.get("n_malformed_calls", 0)) > 0 for m in md) / n,
             "demo/tool_error": sum(int(m.get("n_tool_errors", 0)) > 0 for m in md) / n,
             "demo/no_answer": sum(m.get("finish_reason", "stop") != "stop" for m in md) / n,
-            "demo/turns": sum(int(m.get("n_turns", 0)) for m in md) / n}
+            "demo/turns": sum(int(m.get("n_turns", 0)) for m in md) / n,
+            **_paper_rates(md)}
+
+
+def _paper_rates(md: Sequence[dict]) -> dict[str, float]:
+    """The paper suite environment's verdicts (:func:`.paper_env.episode_metrics`), when there."""
+    if not md or "answer_style" not in md[0]:
+        return {}
+    n = len(md)
+    return {"demo/answer_style": sum(bool(m.get("answer_style")) for m in md) / n,
+            "demo/brief_thinking": sum(bool(m.get("brief_thinking")) for m in md) / n,
+            "demo/thinking_words": sum(float(m.get("thinking_words", 0.0)) for m in md) / n,
+            "demo/all_criteria": sum(bool(m.get("all_criteria")) for m in md) / n}
 
 
 class ExpertProbe:
@@ -93,17 +105,30 @@ class ExpertProbe:
         return {"probe/new_format": T.rate(eps, "new_format"), "probe/success": T.rate(eps, "success")}
 
 
-def make_rollout_side(probe_every: int = 0, probe_n: int = 32):
+ENVS = ("main", "paper")
+"""``main``: the key lookup with the tool-format criterion (:mod:`.task`); ``paper``: the same
+task with a thinking span and four criteria (:mod:`.paper_env`, the paper suite's)."""
+
+
+def make_rollout_side(probe_every: int = 0, probe_n: int = 32, env: str = "main"):
+    if env not in ENVS:
+        raise ValueError(f"env must be one of {ENVS}, got {env!r}")
+    if env == "paper" and probe_every > 0:
+        raise ValueError("the expert probe samples the main environment's hint: use it with env=main")
+
     def factory(trainer):
+        from megatron_tg.demo import paper_env as P
         from megatron_tg.demo.agent import DemoAgent
         from megatron_tg.train.rollouts import RolloutSide
 
         cfg = trainer.cfg
         agent = DemoAgent(trainer.tokenizer, max_turns=cfg.rollout.max_turns,
                           max_new_tokens=cfg.rollout.max_new_tokens,
-                          max_context_tokens=cfg.rollout.max_context_tokens)
+                          max_context_tokens=cfg.rollout.max_context_tokens,
+                          metrics_fn=P.episode_metrics if env == "paper" else T.episode_metrics)
         tasks = T.make_tasks(RL_TASKS, seed=cfg.seed, split="rl")
-        side = RolloutSide(cfg, trainer.tokenizer, agent, tasks, T.rubric(),
+        rubric = P.rubric() if env == "paper" else T.rubric()
+        side = RolloutSide(cfg, trainer.tokenizer, agent, tasks, rubric,
                            engine_model_dir=cfg.model.hf_checkpoint, log_dir=cfg.logging.run_dir,
                            version=0, rollout_metrics=episode_rates)
         if probe_every > 0:
@@ -131,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--probe-every", type=int, default=0,
                     help="probe the expert (hinted episodes) every N steps; 0: never")
     ap.add_argument("--probe-n", type=int, default=32, help="episodes per probe")
+    ap.add_argument("--env", choices=ENVS, default="main",
+                    help="main: the key lookup, one style criterion; paper: with thinking and "
+                         "four criteria (the paper suite's environment)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     a = ap.parse_args(argv)
     from megatron_tg.config import load_config, save_resolved
@@ -147,7 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # recipes/demo_cpu.yaml: rollout.service=local, the side in its own process beside the
     # trainer; the factory is named so that process can build the same side.
     return run(cfg, make_rollout_side=rollout_source(FactorySpec(
-        "megatron_tg.demo.rl:make_rollout_side", {"probe_every": a.probe_every, "probe_n": a.probe_n})))
+        "megatron_tg.demo.rl:make_rollout_side",
+        {"probe_every": a.probe_every, "probe_n": a.probe_n, "env": a.env})))
 
 
 if __name__ == "__main__":

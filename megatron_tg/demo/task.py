@@ -375,7 +375,9 @@ def run_episodes(tasks: Sequence[FactTask], generate_batch: GenerateBatchFn, tok
                  hint_role: str = FEEDBACK_ROLE, max_turns: int = 4,
                  max_context_tokens: int | None = None, policy_version: int = 0,
                  group_ids: Sequence[str] | None = None,
-                 rollout_ids: Sequence[str] | None = None) -> list[Episode]:
+                 rollout_ids: Sequence[str] | None = None,
+                 hint_by_turn: Mapping[int, str] | None = None,
+                 metrics_fn: Callable[..., dict[str, Any]] | None = None) -> list[Episode]:
     """Run one episode per task in lock step: each round sends the context of every unfinished
     episode to ``generate_batch(list_of_input_ids) -> list_of_outputs`` (an output is the
     generated ids, or ``(ids, logprobs)``; anything after the stop token is dropped), parses the
@@ -387,17 +389,26 @@ def run_episodes(tasks: Sequence[FactTask], generate_batch: GenerateBatchFn, tok
     lacks the stop token (``length``), ``max_turns`` turns were made (``max_turns``) or the
     next context would exceed ``max_context_tokens`` (``length``).
 
+    ``hint_by_turn`` (instead of ``hint``) puts a different hint before each listed turn
+    (the paper suite's environment, whose turns fail different criteria); ``metrics_fn``
+    replaces :func:`episode_metrics` (same arguments).
+
     Rollouts carry ``metadata = task.info() | {"hint": ..., **metrics}``; log-probs are 0.0 when
     ``generate`` returns ids only (``metadata["logprobs"] = "missing"``). A hinted episode's
     hint is part of its prompt/tool segments: such rollouts measure the expert's own
     behaviour; the student's training rollouts are the hint-less ones.
     """
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-    hint_turns = tuple(hint_turns) if hint is not None else ()
-    hmsg = [hint_message(hint, hint_role)] if hint is not None else []
+    if hint_by_turn is not None and hint is not None:
+        raise ValueError("pass hint (with hint_turns) or hint_by_turn, not both")
+    if hint_by_turn is None:
+        hint_by_turn = {k: hint for k in hint_turns} if hint is not None else {}
+    hint_turns = tuple(sorted(hint_by_turn))
+    hmsgs = {k: [hint_message(h, hint_role)] for k, h in hint_by_turn.items()}
+    metrics_fn = episode_metrics if metrics_fn is None else metrics_fn
     builders: list[RolloutBuilder] = []
     for i, t in enumerate(tasks):
-        msgs = list(t.prompt_messages()) + (hmsg if 0 in hint_turns else [])
+        msgs = list(t.prompt_messages()) + hmsgs.get(0, [])
         builders.append(RolloutBuilder(tokenizer, msgs, task_id=t.id,
                                        group_id=group_ids[i] if group_ids else t.id,
                                        rollout_id=rollout_ids[i] if rollout_ids else ""))
@@ -427,8 +438,7 @@ def run_episodes(tasks: Sequence[FactTask], generate_batch: GenerateBatchFn, tok
             else:
                 calls = sorted(list(parsed.tool_calls) + list(parsed.errors), key=lambda c: c.start)
                 new = [{"role": "tool", "content": run_tool_call(tasks[i], c)} for c in calls]
-                if k + 1 in hint_turns:
-                    new += hmsg
+                new += hmsgs.get(k + 1, [])
                 builders[i].add_messages(new)
                 if max_context_tokens is not None and len(builders[i].token_ids) >= max_context_tokens:
                     finish[i] = "length"
@@ -438,7 +448,7 @@ def run_episodes(tasks: Sequence[FactTask], generate_batch: GenerateBatchFn, tok
         reason = finish[i] or "max_turns"
         # A context cut after tool results ends with a non-assistant segment: keep it (it is
         # untrained), the rollout stays valid.
-        m = episode_metrics(t, b.parsed, reason)
+        m = metrics_fn(t, b.parsed, reason)
         md = {**t.info(), "hint": hint, "hint_turns": list(hint_turns), **m}
         if missing_lp[i]:
             md["logprobs"] = "missing"

@@ -1,0 +1,174 @@
+"""The paper suite's environment, its SFT data and the suite's claim rules (no model is
+trained here: the suite's runs are measured in the README, not in CI)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from megatron_tg.chat.builder import simulate_rollout
+from megatron_tg.chat.framing import insert_feedback
+from megatron_tg.chat.tokenizer import get_tiny_tokenizer
+from megatron_tg.config.rollout import JudgeConfig
+from megatron_tg.demo import paper_base as PB
+from megatron_tg.demo import paper_env as P
+from megatron_tg.demo import paper_suite as S
+from megatron_tg.demo import task as T
+from megatron_tg.judge import Judge
+from megatron_tg.train.rollouts import feedback_for
+
+ALL_NEW = {(k, c): True for k, cs in enumerate(P.TURN_CRITERIA) for c in cs}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return get_tiny_tokenizer()
+
+
+def _judge(tok, task, behaviour):
+    ro = simulate_rollout(tok, P.reference_messages(task, behaviour, lines=2), task_id=task.id)
+    return ro, Judge(P.rubric(), tok).judge_sync(ro, task)
+
+
+def test_old_turns_fail_every_style_criterion_where_the_hints_say(tok):
+    """The judge's feedback for the student's usual (all-old) episode, framed as the trainer
+    frames it, is exactly the hint the base model is trained with, turn by turn."""
+    t = T.make_task(0, 3, "eval")
+    ro, res = _judge(tok, t, {})
+    assert res.passed == {"answer": True, "search_lines": False, "answer_style": False,
+                          "brief_thinking": False}
+    frame = JudgeConfig.feedback_framing
+    got = {k: frame.replace("{feedback}", v) for k, v in res.feedback_by_turn().items()}
+    assert got == P.all_fail_hints()
+    # always-on feedback (paper Fig. 5): the same texts on every turn the criteria cover
+    always = {k: frame.replace("{feedback}", v) for k, v in feedback_for(ro, res, P.rubric(), True).items()}
+    assert always == P.all_fail_hints()
+
+
+def test_new_turns_pass_everything_and_each_criterion_fails_alone(tok):
+    t = T.make_task(0, 4, "eval")
+    _, res = _judge(tok, t, ALL_NEW)
+    assert all(res.passed.values()), res.passed
+    for (k, c) in ALL_NEW:
+        _, res = _judge(tok, t, {**ALL_NEW, (k, c): False})
+        assert [n for n, ok in res.passed.items() if not ok] == [c]
+        assert res.feedback_by_turn() == {k: P.FEEDBACK[c]}
+
+
+def test_checkers_refuse_the_shortcuts(tok):
+    t = T.make_task(0, 5, "eval")
+    msgs = P.reference_messages(t, ALL_NEW, lines=2)
+    for m in msgs:  # drop the thinking: not a way to be brief
+        m.pop("reasoning_content", None)
+    res = Judge(P.rubric(), tok).judge_sync(simulate_rollout(tok, msgs), t)
+    assert res.passed["brief_thinking"] is False and res.passed["answer"] is True
+    assert P.check_brief_thinking(" ".join(["w"] * P.BRIEF_MAX_WORDS), None) == (True, "")
+    assert P.check_brief_thinking(" ".join(["w"] * (P.BRIEF_MAX_WORDS + 1)), None)[0] is False
+    assert P.check_answer_style("Answer: 55", None)[0] and P.check_answer_style("Answer: 55.", None)[0]
+    for bad in ("Answer: 55 or 56", "The value is 55. Answer: 55", "answer: 55", "Answer:"):
+        assert P.check_answer_style(bad, None)[0] is False, bad
+    # the style is not the task: a styled wrong value fails the answer
+    msgs = P.reference_messages(t, ALL_NEW, lines=2)
+    msgs[-1]["content"] = f"Answer: {t.value + 1 if t.value < 99 else 10}"
+    res = Judge(P.rubric(), tok).judge_sync(simulate_rollout(tok, msgs), t)
+    assert res.passed["answer_style"] is True and res.passed["answer"] is False
+
+
+def test_episode_metrics_agree_with_the_judge(tok):
+    from megatron_tg.chat.framing import parse_assistant
+
+    t = T.make_task(0, 6, "eval")
+    for beh in ({}, ALL_NEW, {(0, "search_lines"): True, (1, "brief_thinking"): True}):
+        ro, res = _judge(tok, t, beh)
+        turns = [parse_assistant(tok.decode(ro.token_ids[s.start:s.end])) for s in ro.assistant_turns()]
+        m = P.episode_metrics(t, turns)
+        assert m["answer_style"] == res.passed["answer_style"]
+        assert m["brief_thinking"] == res.passed["brief_thinking"]
+        assert m["new_format"] == res.passed["search_lines"]
+        assert m["all_criteria"] == all(res.passed.values())
+
+
+def test_sft_example_is_the_trainer_expert_context_and_the_chat_template(tok):
+    """Two independent paths give the same tokens: the SFT example (the trainer's
+    insert_feedback on the hint-less rollout) and the chat template rendering the hints as
+    messages where the trainer puts them."""
+    cfg = PB.config(0)
+    rng = random.Random(1)
+    seen = set()
+    for i in range(60):
+        t = T.make_task(0, i, "sft")
+        ch = PB.draw_example(rng, t, cfg)
+        ex = PB.sft_example(tok, t, ch)
+        hints = {k: P.hint_for(cs) for k, cs in ch["hints"].items()}
+        text = tok.apply_chat_template(P.reference_messages(t, ch["behaviour"], lines=ch["lines"],
+                                                            hints=hints), tokenize=False)
+        assert tok.decode(ex.ids) == text[:text.rindex(tok.eos_token) + len(tok.eos_token)]
+        seen.add((bool(ch["hints"]), bool(ch["masked"]), ch["context"]))
+        trained = {tok.decode([x]) for x, w in zip(ex.ids, ex.mask) if w}
+        assert "Feedback" not in "".join(trained)  # hints are context, never targets
+    assert {(True, True, False), (True, False, False), (False, False, True), (False, False, False)} <= seen
+
+
+def test_old_turns_under_a_hint_mask_exactly_their_departures(tok):
+    """A hinted criterion shown old has the tokens where it departs from the new behaviour
+    out of the loss (thinking and action), and nothing else of the turn."""
+    t = T.make_task(0, 7, "sft")
+    # the old tokens at the departures: "." ends the plan where "with lines" would go; "</"
+    # closes the call where "<parameter=lines>" would open
+    for c, want in (("search_lines", [".", "</"]), ("brief_thinking", ["The"])):
+        ch = {"hints": {0: (c,)}, "behaviour": {}, "masked": [(0, c)], "context": False, "lines": 2}
+        ex = PB.sft_example(tok, t, ch)
+        full = PB.sft_example(tok, t, {**ch, "masked": []})
+        assert ex.ids == full.ids
+        off = [i for i, (a, b) in enumerate(zip(ex.mask, full.mask)) if a != b]
+        got = [tok.decode([ex.ids[i]]).strip() for i in off]
+        assert sorted(got) == sorted(want), got
+    # the departures of a diff, with the common prefix first
+    assert PB.departures([1, 2, 3, 4], [1, 2, 9, 3, 4]) == [2]
+    assert PB.departures([1, 2, 3], [1, 2, 3]) == []
+    assert PB.departures([1, 5, 3, 6], [1, 2, 3, 4]) == [1, 3]
+
+
+def test_reversals_collapse_and_claim_rules():
+    assert S.reversals([0, 0, 0, .9, .9, .9, .5, .5, .5, .9, .9, .9]) == 1
+    assert S.reversals([0, .3, .6, .9, 1, 1, .85, .8, .8]) == 0  # falls of 0.15: noise, not a reversal
+    assert S.reversals([1, 1, 1, .5, .5, .5, 1, 1, 1, .2, .2, .2]) == 2
+
+    def meas(style, pas, rev=0, spike=1.0, peak=None, col=None):
+        return {"style": {c: style for c in P.STYLE_CRITERIA}, "style_mean": style, "pass": pas,
+                "reversals": {c: rev for c in P.STYLE_CRITERIA}, "entropy_spike": spike, "length_spike": 1.0,
+                "entropy_peak_step": peak, "collapse_step": col}
+
+    good = {"grpo": [meas(0.0, 0.9)] * 3, "opsd": [meas(0.5, 0.9)] * 3, "tg": [meas(0.9, 0.9)] * 3,
+            "always_on": [meas(0.9, 0.7)] * 3, "no_thinking": [meas(0.6, 0.9, rev=1)] * 3,
+            "lambda_0.1": [meas(0.8, 0.9)] * 3, "lambda_10": [meas(0.5, 0.1, spike=3.0, peak=5, col=7)] * 3}
+    assert all(c["reproduced"] for c in S.claims(good).values())
+    bad = {**good, "opsd": [meas(0.95, 0.9)] * 3, "always_on": [meas(0.9, 0.88)] * 3,
+           "no_thinking": [meas(0.6, 0.9, rev=0)] * 3,
+           "lambda_10": [meas(0.5, 0.1, spike=3.0, peak=9, col=7)] * 3}  # the collapse came first
+    assert not any(c["reproduced"] for c in S.claims(bad).values())
+
+
+def test_suite_runs_and_arguments():
+    from megatron_tg.demo.__main__ import _bad_arguments, add_arguments
+
+    specs = S.run_specs((0, 1))
+    assert len(specs) == 2 * len(S.RUNS) and len({s.name for s in specs}) == len(specs)
+    lam = next(s for s in specs if s.name == "lambda_10-s1")
+    assert lam.overrides() == ["objective.mode=tg", "seed=1", "objective.kl_coef=10.0"]
+    assert S.plan().rl_args == ("--env", "paper") and S.plan().seeded
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert _bad_arguments(ap.parse_args(["--suite", "paper", "--seeds", "2"])) is None
+    assert "--suite paper" in _bad_arguments(ap.parse_args(["--suite", "paper", "--full"]))
+
+
+def test_rollout_side_env_is_checked():
+    from megatron_tg.demo.rl import make_rollout_side
+
+    with pytest.raises(ValueError, match="env must be one of"):
+        make_rollout_side(env="other")
+    with pytest.raises(ValueError, match="probe"):
+        make_rollout_side(probe_every=5, env="paper")
