@@ -172,3 +172,61 @@ def test_rollout_side_env_is_checked():
         make_rollout_side(env="other")
     with pytest.raises(ValueError, match="probe"):
         make_rollout_side(probe_every=5, env="paper")
+
+
+def test_agent_with_the_paper_verdicts_and_their_rates(tok):
+    """DemoAgent with the paper environment's verdicts: the rollout the judge scores and the
+    ``demo/*`` rates the suite plots agree."""
+    import asyncio
+
+    from megatron_tg.chat.framing import assistant_generation_text, encode
+    from megatron_tg.demo.agent import DemoAgent
+    from megatron_tg.demo.rl import episode_rates
+    from megatron_tg.rollout.context import TurnOutput
+
+    t = T.make_task(0, 8)
+    beh = {(0, "search_lines"): True, (1, "answer_style"): True}
+    turns = [encode(tok, assistant_generation_text(tok, m))
+             for m in P.reference_messages(t, beh, lines=2) if m["role"] == "assistant"]
+
+    class Ctx:
+        task, group_id, rollout_id = t, "g", "g/0"
+        n = 0
+
+        async def generate(self, ids, max_new_tokens=None):
+            out = turns[Ctx.n]
+            Ctx.n += 1
+            return TurnOutput(out, [-0.5] * len(out), 1, [1], "stop")
+
+        def tool_slot(self):
+            import contextlib
+            return contextlib.nullcontext()
+
+    ro = asyncio.run(DemoAgent(tok, metrics_fn=P.episode_metrics)(Ctx()))
+    res = Judge(P.rubric(), tok).judge_sync(ro, t)
+    assert res.passed == {"answer": True, "search_lines": True, "answer_style": True, "brief_thinking": False}
+    rates = episode_rates([ro])
+    assert rates["demo/answer_style"] == 1.0 and rates["demo/brief_thinking"] == 0.0
+    words = [len(P.thinking_text(t, k, new=True, brief=False, lines=2).split()) for k in (0, 1)]
+    assert rates["demo/all_criteria"] == 0.0 and rates["demo/thinking_words"] == sum(words) / 2 == 16.5
+    assert rates["demo/new_format"] == 1.0 and rates["demo/success"] == 1.0
+
+
+def test_a_tiny_build_runs_every_measurement(tmp_path):
+    """The build's code path end to end at a size that learns nothing (seconds): every rate
+    and decision probability is there and in range, and the build is reused by hash."""
+    import torch
+
+    n = torch.get_num_threads()
+    try:
+        kw = dict(steps=3, pool_size=48, tokenizer_docs=60, eval_episodes=4, warmup_steps=1)
+        m = PB.build(tmp_path / "b", seed=0, **kw)
+        for c in P.STYLE_CRITERIA:
+            for cond in ("no_hint", "all_hints", f"hint_{c}"):
+                assert 0.0 <= m[f"{c}_{cond}"] <= 1.0
+            assert 0.0 < m[f"p_decision_no_hint_{c}_mean"] <= m[f"p_decision_no_hint_{c}_max"] <= 1.0
+        assert m["env"] == "paper" and not m["cached"]
+        assert PB.build(tmp_path / "b", seed=0, **kw)["cached"] is True
+        assert PB.build_hash(PB.config(0, **kw)) != PB.build_hash(PB.config(1, **kw))
+    finally:
+        torch.set_num_threads(n)
