@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from megatron_tg.chat.builder import RolloutBuilder
+from megatron_tg.chat.framing import continuation_ids
 from megatron_tg.demo import task as T
 from megatron_tg.rollout.types import Rollout
 
@@ -65,7 +66,14 @@ class DemoAgent:
             async with ctx.tool_slot():  # in-process tools, but timed like sandboxed ones
                 responses = [T.run_tool_call(task, c) for c in calls]
             tool_errors += sum(r.startswith("Error:") for r in responses)
-            b.add_messages([{"role": "tool", "content": r} for r in responses])
+            msgs = [{"role": "tool", "content": r} for r in responses]
+            if len(b.token_ids) + len(continuation_ids(self.tok, msgs, history=b.history,
+                                                       tools=b.tools)) >= self.max_context_tokens:
+                # no turn would see these results: they are not part of the rollout, which
+                # then stays within max_context_tokens (the trainer's budget is planned on it)
+                finish = "length"
+                break
+            b.add_messages(msgs)
         verdicts = self.metrics_fn(task, b.parsed, finish)
         metadata: dict[str, Any] = {**task.info(), "hint": None, **verdicts,
                                     "n_malformed_calls": sum(len(t.errors) for t in b.parsed),

@@ -89,6 +89,20 @@ def test_demo_agent_counts_malformed_calls_and_tool_errors():
     assert rates["demo/success"] == 0.0 and rates["demo/turns"] == 3.0
 
 
+def test_demo_agent_keeps_rollouts_within_the_context_limit():
+    """Tool results that would fill the context are not appended: no turn would read them,
+    and the rollout stays within max_context_tokens (the trainer's micro-batch plan)."""
+    tok = get_tiny_tokenizer()
+    task = T.make_task(0, 4)
+    ctx = ScriptedCtx(tok, task, new_format=False)
+    full = asyncio.run(DemoAgent(tok, max_turns=4)(ScriptedCtx(tok, task, new_format=False)))
+    first_turn_end = full.assistant_turns()[0].end
+    ro = asyncio.run(DemoAgent(tok, max_turns=4, max_context_tokens=first_turn_end + 5)(ctx))
+    assert ro.finish_reason == "length" and ro.num_turns == 1
+    assert len(ro.token_ids) == first_turn_end <= first_turn_end + 5
+    assert ro.segments[-1].kind == "assistant"
+
+
 def test_demo_agent_refuses_a_foreign_task():
     ctx = ScriptedCtx(get_tiny_tokenizer(), T.make_task(0, 1), new_format=False)
     ctx.task = {"id": "x"}
