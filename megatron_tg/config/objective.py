@@ -21,6 +21,7 @@ KL_TOKEN_NORMALIZATIONS = ("rollout_gated", "rollout_assistant", "global")
 PG_TOKEN_NORMALIZATIONS = ("rollout", "global")
 EXPERTS = ("shared", "frozen", "ema")
 EXPERT_SEQUENCES = ("shared", "exact")
+EXPERT_FEEDBACK = ("failing", "covered")
 OLD_LOGPROBS = ("student", "behaviour")
 TIS_MODES = ("truncate", "mask")
 
@@ -164,6 +165,16 @@ class ObjectiveConfig:
     one expert sequence per failing turn holding only that turn's feedback (the paper's
     μ(·|s_t, f_t) exactly; one forward pass per failing turn)."""
 
+    expert_feedback: str = "failing"
+    """Which feedback a gated turn's expert context holds: "failing" = the feedback of the
+    criteria the turn fails (the paper's f_t); "covered" = the feedback of every criterion that
+    covers the turn, passed or failed, on the same gated turns (the gate is unchanged). With
+    several criteria and an expert that lags the student (EMA, frozen), "failing" tells the
+    expert about one criterion and lets it undo the others the student already meets (the
+    expert, lagging, does not meet them unprompted): measured on the paper suite's toy
+    environment (README, "the paper suite"). Modes with every turn distilled (opsd,
+    always_on) always use every covered criterion's feedback."""
+
     expert_prefix_reuse: bool = True
     """Shared expert only: run the expert forward on the suffix of each expert sequence (from
     the first inserted feedback on) and take the prefix's keys/values from the student's
@@ -205,6 +216,7 @@ class ObjectiveConfig:
                               ("kl_token_normalization", KL_TOKEN_NORMALIZATIONS),
                               ("pg_token_normalization", PG_TOKEN_NORMALIZATIONS),
                               ("expert", EXPERTS), ("expert_sequence", EXPERT_SEQUENCES),
+                              ("expert_feedback", EXPERT_FEEDBACK),
                               ("old_logprobs", OLD_LOGPROBS), ("tis_mode", TIS_MODES)):
             value = getattr(self, name)
             if value not in allowed:

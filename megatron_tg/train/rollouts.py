@@ -14,8 +14,10 @@ Rewards and feedback (what the objective receives):
   group that were judged without error;
 - a rollout whose judging failed is excluded and reported to the manager as dropped
   (``judge_error``) when its whole group is lost; never counted as a pass or a fail;
-- feedback: the judge's failing turns in ``tg``/``no_thinking``; in ``always_on``/``opsd``
-  every assistant turn a criterion covers gets that criterion's feedback, failing or not.
+- feedback: the judge's failing turns in ``tg``/``no_thinking`` (with
+  ``objective.expert_feedback="covered"`` each failing turn's text names every criterion
+  covering it); in ``always_on``/``opsd`` every assistant turn a criterion covers gets that
+  criterion's feedback, failing or not.
   The text is framed by ``judge.feedback_framing`` (``{feedback}`` replaced) before it is
   inserted as a message, exactly as the vetting tool and the demo's SFT data frame it.
 """
@@ -61,10 +63,17 @@ def _covered_turns(rollout: Rollout, scope: str) -> list[int]:
     return list(range(n))  # every_turn
 
 
-def feedback_for(rollout: Rollout, result, rubric: Rubric, always: bool) -> dict[int, str]:
-    """Turn -> feedback text: failing turns (``always=False``) or every covered turn."""
+def feedback_for(rollout: Rollout, result, rubric: Rubric, always: bool,
+                 covered: bool = False) -> dict[int, str]:
+    """Turn -> feedback text: failing turns (``always=False``) or every covered turn; with
+    ``covered`` (``objective.expert_feedback="covered"``) a failing turn's text holds every
+    criterion covering it, not only the failed ones."""
     if not always:
-        return result.feedback_by_turn()
+        failing = result.feedback_by_turn()
+        if not covered or not failing:
+            return failing
+        every = feedback_for(rollout, result, rubric, True)
+        return {k: every[k] for k in failing}
     out: dict[int, list[str]] = {}
     for c in rubric.criteria:
         if c.feedback:
@@ -101,6 +110,7 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     primary = primary_criteria(obj, rubric)
     obj_cfg = replace(obj, criterion_weights=weights, primary_criteria=primary)
     always = not mode_switches(obj).failing_turns_only
+    covered = obj.expert_feedback == "covered"
     flat = [(g, ro, res) for g, rs in zip(groups, results) for ro, res in zip(g.rollouts, rs)]
     # A rollout with no assistant token (its prompt alone filled rollout.max_context_tokens)
     # carries no training signal: excluded and counted, like a judge error.
@@ -121,7 +131,7 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     adv = group_advantages(rewards, gids, obj_cfg)
     frame = cfg.judge.feedback_framing
     samples = [TrainSample(ro, float(a), {k: frame.replace("{feedback}", text) for k, text in
-                                          feedback_for(ro, res, rubric, always).items()},
+                                          feedback_for(ro, res, rubric, always, covered).items()},
                            reward=float(r))
                for (g, ro, res), a, r in zip(ok, adv.tolist(), rewards.tolist())]
     for i, n in enumerate(names):

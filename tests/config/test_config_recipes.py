@@ -50,7 +50,7 @@ def test_every_recipe_layout_is_checked_against_a_model_shape():
     CPU recipes name models their jobs build at run time (megatron_tg.models.tiny, the demo's
     base model); their layouts meet the real model in the loop and demo tests."""
     unchecked = {p.name for p in ALL if _with_local_hf_config(p).model.read_hf_config() is None}
-    assert unchecked == {"tiny_cpu.yaml", "demo_cpu.yaml"}
+    assert unchecked == {"tiny_cpu.yaml", "demo_cpu.yaml", "demo_paper_cpu.yaml"}
 
 
 def test_a_layout_the_published_model_cannot_take_is_refused():
@@ -68,11 +68,14 @@ def test_recipe_rubric_exists_and_parses(path):
     cfg = load_config(path)
     from megatron_tg.judge.rubric import load_rubric
 
-    if cfg.judge.rubric is None:  # only the demo's recipe: its task module supplies the rubric
-        from megatron_tg.demo import task
+    if cfg.judge.rubric is None:  # only the demo's recipes: their task modules supply the rubric
+        from megatron_tg.demo import paper_env, task
 
-        assert path.name == "demo_cpu.yaml", f"{path}: judge.rubric is not set"
-        assert {c.name for c in task.rubric().criteria} == set(cfg.objective.primary_criteria) | {"search_lines"}
+        env = {"demo_cpu.yaml": task, "demo_paper_cpu.yaml": paper_env}.get(path.name)
+        assert env is not None, f"{path}: judge.rubric is not set"
+        style = {"search_lines"} | (set(paper_env.STYLE_CRITERIA) if env is paper_env else set())
+        assert {c.name for c in env.rubric().criteria} == set(cfg.objective.primary_criteria) | style
+        assert env.rubric().primary_names() == cfg.objective.primary_criteria
         return
     assert load_rubric(ROOT / cfg.judge.rubric).criteria  # paths are relative to the repo root
 

@@ -230,3 +230,26 @@ def test_a_tiny_build_runs_every_measurement(tmp_path):
         assert PB.build_hash(PB.config(0, **kw)) != PB.build_hash(PB.config(1, **kw))
     finally:
         torch.set_num_threads(n)
+
+
+def test_covered_feedback_names_every_criterion_of_a_failing_turn_only(tok):
+    """objective.expert_feedback=covered: a turn failing one criterion gets the feedback of
+    all its criteria (a lagging expert is told to keep the others); passing turns get none."""
+    t = T.make_task(0, 9, "eval")
+    beh = {**ALL_NEW, (0, "search_lines"): False}  # turn 0 fails the format only; turn 1 passes
+    ro, res = _judge(tok, t, beh)
+    assert res.feedback_by_turn() == {0: P.LINES_FEEDBACK}
+    assert feedback_for(ro, res, P.rubric(), False, covered=True) == \
+        {0: "\n".join([P.LINES_FEEDBACK, P.BRIEF_FEEDBACK])}
+    assert feedback_for(ro, res, P.rubric(), False) == {0: P.LINES_FEEDBACK}
+    ro, res = _judge(tok, t, ALL_NEW)
+    assert feedback_for(ro, res, P.rubric(), False, covered=True) == {}
+
+
+def test_expert_feedback_is_validated():
+    from megatron_tg.config import load_config
+    from megatron_tg.config.base import ConfigError
+
+    assert load_config(S.RECIPE, ["objective.expert_feedback=covered"]).objective.expert_feedback == "covered"
+    with pytest.raises(ConfigError, match="expert_feedback"):
+        load_config(S.RECIPE, ["objective.expert_feedback=all"])
