@@ -16,6 +16,8 @@ always_on     KL on every turn, all rewards        Figure 5
 lambda_0.1    tg with λ = 0.1                      Figure 6
 lambda_10     tg with λ = 10                       Figure 6
 no_thinking   tg without KL on thinking tokens     Figure 7
+tg_failing    tg, the expert told only the failed  the expert's feedback (the recipe's tg
+              criteria (the paper's f_t)           tells it every criterion of the turn)
 ============  ==================================  ============================================
 
 Each claim is checked by a rule fixed here, before any run (:func:`claims`); the command
@@ -62,7 +64,8 @@ LAMBDAS = {"lambda_0.1": 0.1, "tg": 1.0, "lambda_10": 10.0}
 RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("grpo", "grpo", ()), ("opsd", "opsd", ()), ("tg", "tg", ()),
     ("always_on", "always_on", ()), ("no_thinking", "no_thinking", ()),
-    ("lambda_0.1", "tg", ("objective.kl_coef=0.1",)), ("lambda_10", "tg", ("objective.kl_coef=10.0",)))
+    ("lambda_0.1", "tg", ("objective.kl_coef=0.1",)), ("lambda_10", "tg", ("objective.kl_coef=10.0",)),
+    ("tg_failing", "tg", ("objective.expert_feedback=failing",)))
 """(run, objective.mode, extra overrides), in the order each seed makes them."""
 STYLE_KEYS = tuple(f"criteria/{c}" for c in P.STYLE_CRITERIA)
 PASS = "criteria/answer"
@@ -172,6 +175,12 @@ def claims(m: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, dict[str, 
                    "measured": {**rev, "no_thinking_style": mean("no_thinking", "style_mean"),
                                 "tg_style": t},
                    "reproduced": bool(rev["no_thinking"] > rev["tg"])}
+    fail_rev = sum(sum(x["reversals"].values()) for x in m["tg_failing"])
+    out["feedback"] = {"rule": "not a paper claim: the expert told only the failed criteria "
+                               "(tg_failing) reverses more often than told all (tg)",
+                       "measured": {"tg": rev["tg"], "tg_failing": fail_rev,
+                                    "tg_failing_style": mean("tg_failing", "style_mean"), "tg_style": t},
+                       "reproduced": bool(fail_rev > rev["tg"])}
     return out
 
 
@@ -195,8 +204,9 @@ def table(m: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
 
 
 def plot(out: Path, dirs: Mapping[str, Sequence[Path]]) -> Path:
-    """Seed-mean curves: (a) style-criteria mean per method (Table 1), (b) pass rate, tg vs
-    always-on (Fig. 5), (c) entropy per λ (Fig. 6), (d) each criterion, tg vs no_thinking (Fig. 7)."""
+    """Seed-mean curves: style-criteria mean per method (Table 1); pass rate, tg vs always-on
+    (Fig. 5); entropy and pass rate per λ (Fig. 6); each criterion, tg vs no_thinking (Fig. 7);
+    tg vs tg_failing."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,7 +225,7 @@ def plot(out: Path, dirs: Mapping[str, Sequence[Path]]) -> Path:
         n = min(len(c[0]) for c in cs)
         return list(range(1, n + 1)), [statistics.fmean(c[1][i] for c in cs) for i in range(n)]
 
-    fig, ax = plt.subplots(1, 5, figsize=(21, 3.6))
+    fig, ax = plt.subplots(1, 6, figsize=(25, 3.6))
     for name in ("grpo", "opsd", "tg"):
         ax[0].plot(*style_curve(name), label=name)
     ax[0].set_title("Table 1: style criteria (mean of 3)", fontsize=10)
@@ -232,6 +242,10 @@ def plot(out: Path, dirs: Mapping[str, Sequence[Path]]) -> Path:
         ax[4].plot(*curve("tg", k), color=f"C{i}", label=f"tg {c}")
         ax[4].plot(*curve("no_thinking", k), color=f"C{i}", ls="--", label=f"no_thinking {c}")
     ax[4].set_title("Fig. 7: criteria with / without KL on thinking", fontsize=10)
+    for name in ("tg", "tg_failing"):
+        ax[5].plot(*style_curve(name), label=f"{name} style mean")
+        ax[5].plot(*curve(name, PASS), ls="--", label=f"{name} pass")
+    ax[5].set_title("expert told every criterion (tg) or the failed ones", fontsize=10)
     for a in ax:
         a.set_xlabel("step")
         a.grid(alpha=0.3)

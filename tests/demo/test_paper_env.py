@@ -143,11 +143,13 @@ def test_reversals_collapse_and_claim_rules():
 
     good = {"grpo": [meas(0.0, 0.9)] * 3, "opsd": [meas(0.5, 0.9)] * 3, "tg": [meas(0.9, 0.9)] * 3,
             "always_on": [meas(0.9, 0.7)] * 3, "no_thinking": [meas(0.6, 0.9, rev=1)] * 3,
-            "lambda_0.1": [meas(0.8, 0.9)] * 3, "lambda_10": [meas(0.5, 0.1, spike=3.0, peak=5, col=7)] * 3}
+            "lambda_0.1": [meas(0.8, 0.9)] * 3, "lambda_10": [meas(0.5, 0.1, spike=3.0, peak=5, col=7)] * 3,
+            "tg_failing": [meas(0.5, 0.8, rev=1)] * 3}
     assert all(c["reproduced"] for c in S.claims(good).values())
     bad = {**good, "opsd": [meas(0.95, 0.9)] * 3, "always_on": [meas(0.9, 0.88)] * 3,
            "no_thinking": [meas(0.6, 0.9, rev=0)] * 3,
-           "lambda_10": [meas(0.5, 0.1, spike=3.0, peak=9, col=7)] * 3}  # the collapse came first
+           "lambda_10": [meas(0.5, 0.1, spike=3.0, peak=9, col=7)] * 3,  # the collapse came first
+           "tg_failing": [meas(0.5, 0.8, rev=0)] * 3}
     assert not any(c["reproduced"] for c in S.claims(bad).values())
 
 
@@ -253,3 +255,37 @@ def test_expert_feedback_is_validated():
     assert load_config(S.RECIPE, ["objective.expert_feedback=covered"]).objective.expert_feedback == "covered"
     with pytest.raises(ConfigError, match="expert_feedback"):
         load_config(S.RECIPE, ["objective.expert_feedback=all"])
+
+
+def test_measures_table_and_plot_from_run_directories(tmp_path):
+    """The suite's report from metrics.jsonl files (as the trainer writes them): a run whose
+    format criterion rises then falls twice counts two reversals; the table and plot render."""
+    import json
+
+    def write(d, fmt, passed, ent):
+        d.mkdir(parents=True)
+        with open(d / "metrics.jsonl", "w") as f:
+            for i, (a, p, e) in enumerate(zip(fmt, passed, ent), start=1):
+                f.write(json.dumps({"step": i, "criteria/search_lines": a, "criteria/answer_style": 1.0,
+                                    "criteria/brief_thinking": 1.0, "criteria/answer": p,
+                                    "demo/all_criteria": a * p, "entropy/all": e,
+                                    "rollout/response_tokens": 60.0}) + "\n")
+
+    osc = [0, 0, 0, 1, 1, 1, .2, .2, .2, 1, 1, 1, .3, .3, .3]
+    dirs = {}
+    for name, _, _ in S.RUNS:
+        d = tmp_path / name
+        if name == "lambda_10":
+            write(d, [1.0] * 15, [1, 1, 1, .9, .2, .1, .1, .1, .1, .1, .1, .1, .1, .1, .1],
+                  [.01, .01, .05, .08, .03] + [.02] * 10)
+        else:
+            write(d, osc if name == "tg_failing" else [min(1.0, i / 5) for i in range(15)], [1.0] * 15, [.01] * 15)
+        dirs[name] = [d]
+    m = {n: [S.measure(d) for d in ds] for n, ds in dirs.items()}
+    assert sum(m["tg_failing"][0]["reversals"].values()) == 2
+    assert m["lambda_10"][0]["collapse_step"] == 6 and m["lambda_10"][0]["entropy_spike"] == pytest.approx(8.0)
+    assert m["tg"][0]["collapse_step"] is None
+    c = S.claims(m)
+    assert c["feedback"]["reproduced"] and c["fig6"]["reproduced"]
+    assert "tg_failing" in S.table(m)
+    assert S.plot(tmp_path / "p.png", dirs).stat().st_size > 0
