@@ -72,8 +72,21 @@ def feedback_for(rollout: Rollout, result, rubric: Rubric, always: bool,
         failing = result.feedback_by_turn()
         if not covered or not failing:
             return failing
-        every = feedback_for(rollout, result, rubric, True)
-        return {k: every[k] for k in failing}
+        # a turn's failed criteria, plus every criterion covering it, in rubric order (a
+        # turn can fail a criterion without being covered by it, e.g. a call that never
+        # closed fails the tool format but has no call span)
+        fails = {k: dict(v) for k, v in result.failing_turns().items()}
+        text: dict[int, list[str]] = {k: [] for k in failing}
+        for c in rubric.criteria:
+            if not c.feedback:
+                continue
+            covers = _covered_turns(rollout, c.scope)
+            for k in text:
+                if c.name in fails.get(k, {}):
+                    text[k].append(fails[k][c.name])  # the judge's text for what failed
+                elif k in covers:
+                    text[k].append(c.feedback)
+        return {k: "\n".join(v) for k, v in text.items()}
     out: dict[int, list[str]] = {}
     for c in rubric.criteria:
         if c.feedback:

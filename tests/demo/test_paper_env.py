@@ -289,3 +289,26 @@ def test_measures_table_and_plot_from_run_directories(tmp_path):
     assert c["feedback"]["reproduced"] and c["fig6"]["reproduced"]
     assert "tg_failing" in S.table(m)
     assert S.plot(tmp_path / "p.png", dirs).stat().st_size > 0
+
+
+def test_covered_feedback_with_one_style_criterion_is_the_failed_feedback(tok):
+    """The main demo's rubric has one criterion with feedback: there ``covered`` (its
+    recipe's setting) gives the same expert context as the paper's failed-only feedback,
+    also for a turn cut inside its call."""
+    from megatron_tg.chat.framing import encode
+
+    from megatron_tg.chat.builder import RolloutBuilder
+
+    t = T.make_task(0, 10, "eval")
+    cut = encode(tok, "<tool_call>\n<function=search>\n<parameter=query>\nk1")
+    b = RolloutBuilder(tok, t.prompt_messages(), task_id=t.id)
+    b.add_assistant(cut, [0.0] * len(cut), 0)
+    ro = b.build("length")
+    res = Judge(T.rubric(), tok).judge_sync(ro, t)
+    assert res.feedback_by_turn() == {0: T.FEEDBACK}
+    assert feedback_for(ro, res, T.rubric(), False, covered=True) == {0: T.FEEDBACK}
+    for new_format in (False, True):  # whole episodes: old format fails, new passes
+        ro = simulate_rollout(tok, T.reference_messages(t, new_format=new_format, lines=2))
+        res = Judge(T.rubric(), tok).judge_sync(ro, t)
+        assert feedback_for(ro, res, T.rubric(), False, covered=True) == res.feedback_by_turn() == \
+            ({} if new_format else {0: T.FEEDBACK})
