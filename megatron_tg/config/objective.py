@@ -22,6 +22,7 @@ PG_TOKEN_NORMALIZATIONS = ("rollout", "global")
 EXPERTS = ("shared", "frozen", "ema")
 EXPERT_SEQUENCES = ("shared", "exact")
 EXPERT_FEEDBACK = ("failing", "covered")
+STYLE_REWARDS = ("sum", "primary_gated")
 OLD_LOGPROBS = ("student", "behaviour")
 TIS_MODES = ("truncate", "mask")
 
@@ -150,6 +151,12 @@ class ObjectiveConfig:
     that do. Empty (the default): the rubric's ``primary: true`` criteria. Names given here
     replace the rubric's flags and must be criteria of the rubric."""
 
+    style_reward: str = "sum"
+    """How the criteria's scores make the reward: "sum" = Σ w_i R_i (the paper's per-criterion
+    reward); "primary_gated" = the non-primary (style) terms count only on rollouts that pass
+    every primary criterion, so style reward cannot be earned by giving up the task
+    (``megatron_tg/objectives/rewards.py``)."""
+
     expert: str = "shared"
     """Weights the expert forward runs with: "shared" = the live policy (paper), "frozen" = the
     initial policy, "ema" = an exponential moving average of the policy (docs/measurements.md: the shared
@@ -216,7 +223,7 @@ class ObjectiveConfig:
                               ("kl_token_normalization", KL_TOKEN_NORMALIZATIONS),
                               ("pg_token_normalization", PG_TOKEN_NORMALIZATIONS),
                               ("expert", EXPERTS), ("expert_sequence", EXPERT_SEQUENCES),
-                              ("expert_feedback", EXPERT_FEEDBACK),
+                              ("expert_feedback", EXPERT_FEEDBACK), ("style_reward", STYLE_REWARDS),
                               ("old_logprobs", OLD_LOGPROBS), ("tis_mode", TIS_MODES)):
             value = getattr(self, name)
             if value not in allowed:

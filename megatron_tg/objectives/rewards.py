@@ -8,6 +8,11 @@ Math contract:
   config's empty default means "the rubric's primary flags": the trainer resolves it
   (``train.rollouts.primary_criteria``) before rewards are combined, and an empty list in
   mode "opsd" is refused here (it would make every reward 0).
+* With ``style_reward="primary_gated"`` the non-primary terms count only when every primary
+  criterion passes: R(τ) = Σ_{i ∈ P} w_i R_i + (Π_{i ∈ P} R_i) · Σ_{i ∉ P} w_i R_i. A policy
+  then cannot buy style reward with the task (on the paper suite's toy environment GRPO, under
+  the plain sum, learned to skip the search and write ``Answer: <guess>``: the style criteria
+  paid as much as the task). Needs primary criteria, like "opsd".
 * Advantage (GRPO): for rollout j of group g,
   A_j = (R_j − mean_g R) / (std_g R + adv_eps)  if ``advantage_std_norm``, else R_j − mean_g R.
   std_g is the *population* std (divide by n, not n−1), so a group of one rollout or a group
@@ -47,7 +52,19 @@ def combine_rewards(scores: torch.Tensor, criteria: Sequence[str],
     """scores [R, C] (column i = criterion ``criteria[i]``) → R(τ) [R] in float64."""
     if scores.ndim != 2 or scores.shape[1] != len(criteria):
         raise ValueError(f"scores must be [rollouts, {len(criteria)}], got {tuple(scores.shape)}")
-    return scores.to(torch.float64) @ criterion_weight_vector(criteria, cfg).to(scores.device)
+    w = criterion_weight_vector(criteria, cfg).to(scores.device)
+    s = scores.to(torch.float64)
+    if cfg.style_reward == "sum":
+        return s @ w
+    if not cfg.primary_criteria:
+        raise ValueError("objective.style_reward='primary_gated' needs primary criteria "
+                         "(objective.primary_criteria, resolved from the rubric's primary flags)")
+    missing = [n for n in cfg.primary_criteria if n not in criteria]
+    if missing:
+        raise ValueError(f"primary criteria {missing} are not among the scored criteria {list(criteria)}")
+    is_primary = torch.tensor([n in cfg.primary_criteria for n in criteria], device=scores.device)
+    task_passed = s[:, is_primary].prod(dim=1)
+    return s[:, is_primary] @ w[is_primary] + task_passed * (s[:, ~is_primary] @ w[~is_primary])
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,

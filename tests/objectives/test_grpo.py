@@ -213,3 +213,26 @@ def test_policy_gradient_term_directly_matches_formula():
             acc += surr * min(math.exp(old[t] - beh[t]), 1.5)
         want += acc / len(rows)
     assert loss.item() == pytest.approx(want / 3, abs=1e-12)
+
+
+def test_primary_gated_style_reward_cannot_be_bought_with_the_task():
+    """style_reward=primary_gated: style terms count only where every primary criterion
+    passes; the plain sum lets a task-failing, styled rollout tie with a correct one."""
+    names = ["answer", "search_lines", "answer_style", "brief"]
+    weights = {"search_lines": 0.5, "answer_style": 0.5, "brief": 0.5}
+    scores = torch.tensor([[1.0, 0.0, 0.0, 0.0],    # the task, no style
+                           [0.0, 1.0, 1.0, 0.0],    # the hack: no search, "Answer: <guess>"
+                           [1.0, 1.0, 1.0, 1.0],    # everything
+                           [0.0, 1.0, 1.0, 1.0]])   # all style, wrong answer
+    plain = combine_rewards(scores, names, ObjectiveConfig(criterion_weights=weights))
+    torch.testing.assert_close(plain, torch.tensor([1.0, 1.0, 2.5, 1.5], dtype=torch.float64))
+    gated = combine_rewards(scores, names, ObjectiveConfig(criterion_weights=weights, primary_criteria=["answer"],
+                                                           style_reward="primary_gated"))
+    torch.testing.assert_close(gated, torch.tensor([1.0, 0.0, 2.5, 0.0], dtype=torch.float64))
+    two = ObjectiveConfig(primary_criteria=["answer", "brief"], style_reward="primary_gated")
+    torch.testing.assert_close(combine_rewards(scores, names, two),
+                               torch.tensor([1.0, 0.0, 4.0, 1.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="needs primary criteria"):
+        combine_rewards(scores, names, ObjectiveConfig(style_reward="primary_gated"))
+    with pytest.raises(ValueError, match="not among the scored"):
+        combine_rewards(scores, names, ObjectiveConfig(style_reward="primary_gated", primary_criteria=["x"]))
