@@ -225,7 +225,8 @@ def plot(out: Path, dirs: Mapping[str, Sequence[Path]]) -> Path:
         n = min(len(c[0]) for c in cs)
         return list(range(1, n + 1)), [statistics.fmean(c[1][i] for c in cs) for i in range(n)]
 
-    fig, ax = plt.subplots(1, 6, figsize=(25, 3.6))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 7.2))
+    ax = axes.flat
     for name in ("grpo", "opsd", "tg"):
         ax[0].plot(*style_curve(name), label=name)
     ax[0].set_title("Table 1: style criteria (mean of 3)", fontsize=10)
