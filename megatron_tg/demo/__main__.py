@@ -280,7 +280,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "probability ~1e-6 / 1e-4 / 1e-2, each with GRPO, reverse+EMA and "
                          "forward+EMA TG at the quick size, seed 0 (9 RL runs); paper: Table 1 "
                          "and Figures 5-7 on the environment with thinking and four criteria "
-                         "(7 runs per seed, 3 seeds; recipes/demo_paper_cpu.yaml)")
+                         "(8 runs per seed, 3 seeds; recipes/demo_paper_cpu.yaml)")
     ap.add_argument("--phase-base", choices=("full", "quick"), default="full",
                     help="--suite phase: the base models' SFT size (full: the default build, "
                          "whose no-hint probability is ~1e-6; quick: the --quick build's)")

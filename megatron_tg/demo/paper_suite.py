@@ -3,7 +3,7 @@
     python -m megatron_tg.demo --suite paper --out runs/paper [--seeds 3] [--jobs 2]
 
 One base model (:mod:`.paper_base`: thinks before it acts, never meets the three style
-criteria without their feedback), then RL runs of :data:`PLAN` (25 steps, seeded sampling, no
+criteria without their feedback), then the RL runs of :func:`plan` (25 steps, seeded sampling, no
 staleness, ``recipes/demo_paper_cpu.yaml``, ``--env paper``) on every seed:
 
 ============  ==================================  ============================================
