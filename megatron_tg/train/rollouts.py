@@ -72,9 +72,9 @@ def feedback_for(rollout: Rollout, result, rubric: Rubric, always: bool,
         failing = result.feedback_by_turn()
         if not covered or not failing:
             return failing
-        # a turn's failed criteria, plus every criterion covering it, in rubric order (a
-        # turn can fail a criterion without being covered by it, e.g. a call that never
-        # closed fails the tool format but has no call span)
+        # a turn's failed criteria (the judge's text) plus the passed ones that cover it (the
+        # rubric's text), in rubric order; the failed ones come from the judge, not from the
+        # scopes, so a failing turn is never left without its own feedback
         fails = {k: dict(v) for k, v in result.failing_turns().items()}
         text: dict[int, list[str]] = {k: [] for k in failing}
         for c in rubric.criteria:
