@@ -156,3 +156,31 @@ def test_convert_subcommand_runs_the_converter(tmp_path):
               str(tmp_path / "hf"))
     assert out.returncode == 2 and "not a megatron torch_dist checkpoint" in out.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def _actions_without_help(parser, path):
+    import argparse
+
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                missing += _actions_without_help(sub, path + [name])
+        elif not action.help or action.help == argparse.SUPPRESS:
+            missing.append(f"megatron-tg {' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+def test_every_option_of_every_subcommand_has_help_text():
+    import argparse
+
+    from megatron_tg.cli import SUBCOMMANDS, build_parser
+
+    missing = []
+    for name in SUBCOMMANDS:
+        sub = next(a for a in build_parser([name])._actions
+                   if isinstance(a, argparse._SubParsersAction)).choices[name]
+        missing += _actions_without_help(sub, [name])
+    assert missing == [], "options without help text:\n" + "\n".join(missing)

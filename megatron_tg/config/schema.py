@@ -75,14 +75,9 @@ class TGConfig:
         check_range("seed", self.seed, ge=0)
         check_range("steps", self.steps, ge=1)
         for group in (self.model, self.parallel, self.rollout, self.judge, self.optimizer,
-                      self.checkpoint, self.logging, self.evaluation, self.sft, self.timeouts):
+                      self.checkpoint, self.logging, self.evaluation, self.sft, self.timeouts,
+                      self.objective):
             group.validate()
-        try:
-            self.objective.validate()
-        except ConfigError:
-            raise
-        except ValueError as exc:  # ObjectiveConfig raises plain ValueError
-            raise ConfigError(str(exc)) from exc
         self._validate_across_groups()
 
     def _validate_across_groups(self) -> None:

@@ -437,29 +437,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--recipe", required=True, metavar="FILE")
-    ap.add_argument("--format", choices=sorted(RENDERERS), default="text")
+    ap.add_argument("--recipe", required=True, metavar="FILE", help="the recipe YAML the job trains")
+    ap.add_argument("--format", choices=sorted(RENDERERS), default="text",
+                    help="text: the table people read; json; env: what slurm/lib.sh sources")
     sizes = ap.add_argument_group("sizes (default: from the recipe)")
     sizes.add_argument("--nodes", type=int, help="nodes in the allocation; the rollout role takes the rest")
-    sizes.add_argument("--train-nodes", type=int)
-    sizes.add_argument("--rollout-nodes", type=int)
-    sizes.add_argument("--judge-nodes", type=int)
-    sizes.add_argument("--gpus-per-node", type=int)
-    sizes.add_argument("--accel", choices=ACCELERATORS)
+    sizes.add_argument("--train-nodes", type=int, help="nodes of the trainer role (default: the recipe's parallel.nodes x gpus_per_node)")
+    sizes.add_argument("--rollout-nodes", type=int, help="nodes of the engines (default: what rollout.num_engines x engine_tp needs, or the rest of --nodes)")
+    sizes.add_argument("--judge-nodes", type=int, help="nodes of the judge server (default: judge TP / GPUs per node, at least 1; none without an LLM criterion or with --judge-url)")
+    sizes.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: parallel.gpus_per_node)")
+    sizes.add_argument("--accel", choices=ACCELERATORS, help="gpu (default), or cpu for the tiny CPU twin")
     nodes = ap.add_argument_group("nodes")
     nodes.add_argument("--hosts", type=_csv, help="node names in allocation order (default node1..nodeN)")
     nodes.add_argument("--addrs", type=_csv, help="their addresses, same order (default: the names)")
     servers = ap.add_argument_group("servers")
-    servers.add_argument("--engine", choices=ENGINE_SERVERS)
-    servers.add_argument("--engine-model")
-    servers.add_argument("--router", type=int, choices=(0, 1))
-    servers.add_argument("--judge-model")
-    servers.add_argument("--judge-name")
-    servers.add_argument("--judge-url")
-    servers.add_argument("--judge-tp", type=int)
+    servers.add_argument("--engine", choices=ENGINE_SERVERS, help="rollout server: SGLang, or the embedded CPU engine")
+    servers.add_argument("--engine-model", help="HF directory the engines serve (default: model.hf_checkpoint)")
+    servers.add_argument("--router", type=int, choices=(0, 1), help="put an sglang-router in front of the engines (default: 1 for more than one SGLang engine)")
+    servers.add_argument("--judge-model", help="HF directory the judge node serves (an LLM-judged rubric needs it or --judge-url)")
+    servers.add_argument("--judge-name", help="model name the judge is asked for (OpenAI API)")
+    servers.add_argument("--judge-url", help="an already running judge (then no judge node)")
+    servers.add_argument("--judge-tp", type=int, help="tensor-parallel size of the judge server")
     servers.add_argument("--service", type=int, choices=(0, 1),
                          help="the rollout side as its own step (default: as rollout.service says)")
-    ap.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE)
+    ap.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE,
+                    help="every port of the job is an offset from this (two jobs on one host stay apart)")
     ap.add_argument("--usr1-lead", type=int, metavar="S",
                     help="seconds before the time limit the job gets USR1 (its --signal=B:USR1@S); "
                          "refused when shorter than one step plus one checkpoint save needs")

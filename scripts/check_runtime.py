@@ -1,0 +1,118 @@
+"""What a runtime-only install must do, checked the way a newcomer meets it (CI runs this in
+the venv that ``bash scripts/demo.sh`` built, before and after the quick demo).
+
+    python scripts/check_runtime.py            # every check below; exit 1 naming each failure
+
+1. The venv holds no test or dev extra (the packages only ``.[test]`` installs): a runtime
+   import of one of them would pass here unnoticed otherwise.
+2. Every module of the package imports (GPU-only packages are import-guarded inside the
+   package; a module that needs one at import time is a failure).
+3. ``megatron-tg --help`` and every subcommand's ``--help`` (and ``convert``'s two verbs)
+   exit 0 and print a usage line.
+4. Grading works: a built-in task graded with its reference solution passes, and the
+   untouched starting files fail (needs bubblewrap: ``bash scripts/system_deps.sh --runtime``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import os
+import pkgutil
+import shutil
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+TEST_ONLY = ("hypothesis", "pytest_timeout", "sglang_router")
+"""Import names of the test extra's packages (pyproject ``[project.optional-dependencies]
+test``) that no runtime path may need. pytest itself is a runtime dependency: grading runs it."""
+
+
+def check_no_test_extras() -> list[str]:
+    present = [m for m in TEST_ONLY if importlib.util.find_spec(m) is not None]
+    return [f"test-only package {m!r} is installed in this venv ({sys.prefix}): this check "
+            "needs a runtime-only install (bash scripts/setup.sh, without --dev)" for m in present]
+
+
+def check_imports() -> list[str]:
+    import megatron_tg
+
+    failures = []
+    names = [m.name for m in pkgutil.walk_packages(megatron_tg.__path__, "megatron_tg.")]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit at import is a failure too
+            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            failures.append(f"import {name}: {last}")
+    print(f"check_runtime: imported {len(names) - len(failures)} of {len(names)} modules")
+    return failures
+
+
+def check_cli_help() -> list[str]:
+    from megatron_tg.cli import SUBCOMMANDS
+
+    exe = shutil.which("megatron-tg", path=os.path.dirname(sys.executable))
+    if exe is None:
+        return [f"no megatron-tg console script next to {sys.executable}"]
+    commands = [[]] + [[name] for name in SUBCOMMANDS] + [["convert", "hf-to-megatron"],
+                                                          ["convert", "megatron-to-hf"]]
+    failures = []
+    for words in commands:
+        res = subprocess.run([exe, *words, "--help"], capture_output=True, text=True, timeout=300)
+        if res.returncode != 0 or "usage:" not in res.stdout:
+            failures.append(f"megatron-tg {' '.join(words + ['--help'])}: exit {res.returncode}: "
+                            f"{(res.stderr or res.stdout).strip()[-400:]}")
+    print(f"check_runtime: {len(commands) - len(failures)} of {len(commands)} --help commands ran")
+    return failures
+
+
+def check_grading() -> list[str]:
+    from megatron_tg.agent.grading import Grader
+    from megatron_tg.agent.sandbox import Limits, Sandbox, bwrap_path
+    from megatron_tg.agent.tasks import builtin_tasks, materialize, write_files
+
+    if bwrap_path() is None:
+        return ["bubblewrap (bwrap) is not installed: grading cannot run "
+                "(bash scripts/system_deps.sh --runtime installs it)"]
+    task = next(t for t in builtin_tasks() if t.privileged.get("reference"))
+    limits = Limits(wall_s=60.0, cpu_s=30)
+    grader = Grader(Sandbox("bwrap", limits=limits), limits)
+    failures = []
+    for label, files, want in (("reference solution", task.privileged["reference"], True),
+                               ("starting files", {}, False)):
+        ws = tempfile.mkdtemp(prefix="tg-check-ws-")
+        try:
+            materialize(task, ws)
+            write_files(ws, files)
+            res = asyncio.run(grader.grade(task, ws))
+        finally:
+            shutil.rmtree(ws, ignore_errors=True)
+        verdict = "PASS" if res.passed else "FAIL"
+        print(f"check_runtime: grading {task.id} with its {label}: {verdict} {res.reason}".rstrip())
+        if res.passed is not want:
+            failures.append(f"grading {task.id} with its {label} gave {verdict}, expected "
+                            f"{'PASS' if want else 'FAIL'}: {res.reason} {res.output[-600:]}")
+    return failures
+
+
+def main() -> int:
+    failures: list[str] = []
+    for check in (check_no_test_extras, check_imports, check_cli_help, check_grading):
+        try:
+            failures += check()
+        except Exception:  # noqa: BLE001 - report every check, not only the first to crash
+            failures.append(f"{check.__name__} crashed:\n{traceback.format_exc()}")
+    for f in failures:
+        print(f"check_runtime: FAILED: {f}", file=sys.stderr)
+    print(f"check_runtime: {'ok' if not failures else f'{len(failures)} failure(s)'} "
+          f"({Path(sys.prefix).name}, Python {sys.version.split()[0]})")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
