@@ -6,9 +6,11 @@ the venv that ``bash scripts/demo.sh`` built, before and after the quick demo).
 1. The venv holds no test or dev extra (the packages only ``.[test]`` installs): a runtime
    import of one of them would pass here unnoticed otherwise.
 2. Every module of the package imports (GPU-only packages are import-guarded inside the
-   package; a module that needs one at import time is a failure).
+   package; a module that needs one at import time is a failure); ``__main__`` modules are
+   entry points, run by check 3 instead.
 3. ``megatron-tg --help`` and every subcommand's ``--help`` (and ``convert``'s two verbs)
-   exit 0 and print a usage line.
+   exit 0 and print a usage line; so does every ``python -m megatron_tg.…`` entry point that
+   the README, docs, scripts, Slurm files, recipes or docstrings name.
 4. Grading works: a built-in task graded with its reference solution passes, and the
    untouched starting files fail (needs bubblewrap: ``bash scripts/system_deps.sh --runtime``).
 """
@@ -20,6 +22,7 @@ import importlib
 import importlib.util
 import os
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
@@ -42,7 +45,10 @@ def check_imports() -> list[str]:
     import megatron_tg
 
     failures = []
-    names = [m.name for m in pkgutil.walk_packages(megatron_tg.__path__, "megatron_tg.")]
+    # ``__main__`` modules are entry points: importing one runs it (``python -m``); the
+    # --help check below runs them instead.
+    names = [m.name for m in pkgutil.walk_packages(megatron_tg.__path__, "megatron_tg.")
+             if not m.name.endswith(".__main__")]
     for name in names:
         try:
             importlib.import_module(name)
@@ -68,6 +74,38 @@ def check_cli_help() -> list[str]:
             failures.append(f"megatron-tg {' '.join(words + ['--help'])}: exit {res.returncode}: "
                             f"{(res.stderr or res.stdout).strip()[-400:]}")
     print(f"check_runtime: {len(commands) - len(failures)} of {len(commands)} --help commands ran")
+    return failures
+
+
+ENTRY_POINT_VERBS = {"megatron_tg.agent.remote": ["serve"]}
+"""Modules whose documented invocation puts a verb before the options."""
+
+
+def documented_entry_points(root: Path) -> list[str]:
+    """Every ``python -m megatron_tg.X`` that the README, docs, scripts, Slurm files, recipes,
+    tools or docstrings name: each must still run (a move of a module takes its callers)."""
+    found: set[str] = set()
+    files = [root / "README.md", *root.glob("docs/*.md")]
+    for sub, pattern in (("scripts", "*"), ("slurm", "*"), ("recipes", "**/*.yaml"), ("tools", "*.py"),
+                         ("megatron_tg", "**/*.py")):
+        files += [f for f in (root / sub).glob(pattern) if f.is_file()]
+    for f in files:
+        found.update(re.findall(r"python3? -m (megatron_tg(?:\.[a-z_][a-z0-9_]*)*)", f.read_text(errors="replace")))
+    return sorted(found)
+
+
+def check_entry_points() -> list[str]:
+    root = Path(__file__).resolve().parents[1]
+    modules = documented_entry_points(root)
+    failures = []
+    for mod in modules:
+        argv = [sys.executable, "-m", mod, *ENTRY_POINT_VERBS.get(mod, []), "--help"]
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root)
+        if res.returncode != 0 or "usage:" not in res.stdout:
+            failures.append(f"python -m {mod} --help: exit {res.returncode}: "
+                            f"{(res.stderr or res.stdout).strip()[-400:]}")
+    print(f"check_runtime: {len(modules) - len(failures)} of {len(modules)} documented "
+          "python -m entry points ran --help")
     return failures
 
 
@@ -102,7 +140,7 @@ def check_grading() -> list[str]:
 
 def main() -> int:
     failures: list[str] = []
-    for check in (check_no_test_extras, check_imports, check_cli_help, check_grading):
+    for check in (check_no_test_extras, check_imports, check_cli_help, check_entry_points, check_grading):
         try:
             failures += check()
         except Exception:  # noqa: BLE001 - report every check, not only the first to crash

@@ -14,5 +14,6 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="${VENV:-$root/.venv}"
 bash scripts/setup.sh
+bash scripts/system_deps.sh --runtime  # bubblewrap, util-linux, git (as root: apt-get; else named)
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}" OMP_NUM_THREADS=1
 exec "$venv/bin/python" -m megatron_tg.demo "$@"
