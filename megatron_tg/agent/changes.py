@@ -181,7 +181,7 @@ def extract(workspace: str | os.PathLike, pristine: str | os.PathLike, *, max_by
     def parent_fd(rel: str) -> int:
         d = os.path.dirname(rel)
         if d not in dir_fds:
-            dir_fds[d] = _open_dir(d, parent_fd(d)) if d else _open_dir(workspace, None)
+            dir_fds[d] = _open_dir(os.path.basename(d), parent_fd(d)) if d else _open_dir(workspace, None)
         return dir_fds[d]
 
     try:
