@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import threading
+import types
 
 ROOT_NAMES = ("pytest", "_pytest", "pluggy")
 FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
@@ -61,10 +62,10 @@ def main() -> None:
     os.close(nonce_fd)
     nonce = nonce.decode()
     os.set_inheritable(ev_fd, False)  # subprocesses of the tests do not get it
-    write, exit_, getident = os.write, os._exit, threading.get_ident
+    write, exit_, getident, dumps = os.write, os._exit, threading.get_ident, json.dumps
 
     def emit(rec: dict) -> None:
-        data = (nonce + " " + json.dumps(rec, separators=(",", ":")) + "\n").encode()
+        data = (nonce + " " + dumps(rec, separators=(",", ":")) + "\n").encode()
         while data:
             data = data[write(ev_fd, data):]
 
@@ -87,23 +88,30 @@ def main() -> None:
     opaque = tuple(os.path.dirname(sys.modules[n].__file__) + "/" for n in ROOT_NAMES) + (runner_dir,)
     kinds: dict[str, str] = {}
 
-    def kind(filename: str) -> str:
+    # Where library code lives: the interpreter's own sys.path at start (stdlib, site-packages),
+    # as named and resolved. Code anywhere else (/tmp, /var, a file the tested code wrote at run
+    # time, "<string>") counts as the policy's.
+    libs = tuple(sorted({q.rstrip("/") + "/" for p in sys.path if p and os.path.isabs(p)
+                         for q in (p, os.path.realpath(p))}))
+
+    def classify(filename, _protected=protected, _opaque=opaque, _solution=solution, _ws=ws, _libs=libs):
         """"solution" (code the policy wrote), "trusted" (pytest, this runner, the task's
         tests: their frames decide) or "library" (stdlib, other packages, the repository's
-        unchanged files: looked through to their caller)."""
+        unchanged files: looked through to their caller). Pure: only immutable defaults."""
+        if filename in _protected or filename.startswith(_opaque):
+            return "trusted"
+        if filename in _solution:
+            return "solution"
+        if filename.startswith("<frozen "):
+            return "library"
+        if filename.startswith(_ws) or filename.startswith(_libs):
+            return "library"  # the repository's own unchanged source, the stdlib, packages
+        return "solution"
+
+    def kind(filename: str) -> str:
         k = kinds.get(filename)
         if k is None:
-            if filename in protected or filename.startswith(opaque):
-                k = "trusted"
-            elif filename in solution or not filename.startswith(("/", "<frozen ")):
-                k = "solution"  # a changed file, or code compiled at run time ("<string>")
-            elif filename.startswith(ws):
-                k = "library"  # the repository's own unchanged source
-            elif filename.startswith("/tmp/") or filename.startswith("/dev/shm/"):
-                k = "solution"  # written at run time by the tested code
-            else:
-                k = "library"
-            kinds[filename] = k
+            k = kinds[filename] = classify(filename)
         return k
 
     def culprit(frame):
@@ -117,7 +125,8 @@ def main() -> None:
                        f"{frame.f_lineno}"
             if k == "trusted":
                 return None
-            mod = frame.f_globals.get("__name__", "")
+            mod = dict.get(frame.f_globals, "__name__", "") if type(frame.f_globals) is dict else "?"
+            mod = mod if type(mod) is str else "?"
             if (mod.split(".")[0], code.co_name) in BENIGN_SINKS:
                 return None
             frame = frame.f_back
@@ -210,13 +219,16 @@ def main() -> None:
             where = culprit(getframe(1))
             if where is not None:
                 flag(f"{what} from {where}")
+        except Exception as e:  # fail closed: a frame built to break the walk is itself a flag
+            flag(f"{what}: the audit hook could not attribute it ({type(e).__name__})")
         finally:
             busy.discard(me)
 
     # ---- the equality check, compiled into the task's own test files' asserts. It is
     # reachable (through builtins), so all it depends on is bound as default arguments:
     # reading or rewriting ``__defaults__`` is an audited event.
-    def foreign_eq(x, budget, _solution=solution, _ws=ws, _values=BUILTIN_VALUES):
+    def foreign_eq(x, budget, _classify=classify, _values=BUILTIN_VALUES, _heap=1 << 9,
+                   _slots=(types.WrapperDescriptorType, types.MethodDescriptorType, types.MethodWrapperType)):
         t = type(x)
         if t in _values:
             items = x.values() if t is dict else x if t in (list, tuple, set, frozenset) else ()
@@ -228,12 +240,23 @@ def main() -> None:
                 if r:
                     return r
             return None
-        for cls in t.__mro__:
-            for name in ("__eq__", "__ne__", "__bool__", "__contains__"):
-                code = getattr(cls.__dict__.get(name), "__code__", None)
-                if code is not None and (code.co_filename in _solution or not code.co_filename.startswith("/")
-                                         or code.co_filename.startswith(("/tmp/", "/dev/shm/"))):
-                    return f"{t.__qualname__}.{name}"
+        for name in ("__eq__", "__ne__", "__bool__", "__contains__"):
+            for cls in t.__mro__:
+                if name not in cls.__dict__:
+                    continue
+                v = cls.__dict__[name]
+                for _ in range(8):  # staticmethod / classmethod / partial / bound method around it
+                    inner = getattr(v, "__func__", None) or getattr(v, "func", None)
+                    if inner is None:
+                        break
+                    v = inner
+                code = getattr(v, "__code__", None)
+                if code is not None:
+                    if _classify(code.co_filename) == "solution":
+                        return f"{t.__qualname__}.{name}"
+                elif cls.__flags__ & _heap and type(v) not in _slots:
+                    return f"{t.__qualname__}.{name}"  # a C callable put on a class the policy made
+                break
         return None
 
     def checked(op, left, right, _foreign=foreign_eq, _values=BUILTIN_VALUES, _audit=sys.audit):
@@ -290,15 +313,14 @@ def main() -> None:
                     out.append(("c", f"{m.__name__}.{k}", id(v), tuple((a, id(b)) for a, b in list(v.__dict__.items()))))
         return tuple(out)
 
-    def foreign_hooks(config, _solution=solution):
+    def foreign_hooks(config, _classify=classify):
         """pytest hooks whose code the policy wrote (a plugin it registered, or one of ours
         whose function it replaced)."""
         out = []
         for name, caller in list(vars(config.pluginmanager.hook).items()):
             for impl in getattr(caller, "get_hookimpls", lambda: [])():
                 fn = getattr(impl.function, "__code__", None)
-                f = getattr(fn, "co_filename", "/")
-                if f in _solution or not f.startswith("/") or f.startswith(("/tmp/", "/dev/shm/")):
+                if fn is None or _classify(fn.co_filename) == "solution":
                     out.append(name)
         return out
 
