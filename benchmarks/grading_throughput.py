@@ -51,6 +51,7 @@ def old_grader_class(tmp: Path):
         (tmp / ("old_grading.py" if name == "grading.py" else name)).write_text(src)
     spec = importlib.util.spec_from_file_location("old_grading", tmp / "old_grading.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["old_grading"] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod.Grader
 
