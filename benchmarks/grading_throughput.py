@@ -4,7 +4,9 @@ one, in one run, on the same sandbox, interleaved so that load on a shared machi
 both alike.
 
 Both grade the correct solution (PASS) the same number of times, one at a time and
-``--concurrency`` at a time; the figures are seconds per grade and grades per second.
+``--concurrency`` at a time; the figures are seconds per grade, grades per second, and the
+CPU seconds of the sandboxed runner (``/usr/bin/time`` around it: on a loaded shared
+machine the least noisy of the three).
 
     python benchmarks/grading_throughput.py [--rounds 8] [--concurrency 4]
 """
@@ -15,6 +17,7 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -83,15 +86,30 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4, help="grades in flight in the concurrent mode")
     args = ap.parse_args()
     sandbox = Sandbox("bwrap", limits=LIMITS)
+    runner_cpu: list[float] = []
+    plain_run = sandbox.run
+
+    async def timed_run(cmd, *a, **k):  # both graders start their runner with "exec python"
+        r = await plain_run(cmd.replace("exec python", "exec /usr/bin/time -f 'TGCPU %U %S' python", 1), *a, **k)
+        m = re.search(r"TGCPU ([\d.]+) ([\d.]+)", r.output)
+        if m:
+            runner_cpu.append(float(m.group(1)) + float(m.group(2)))
+        return r
+
+    sandbox.run = timed_run
+    cpu = {}
     with tempfile.TemporaryDirectory(prefix="tg-bench-old-") as tmp:
         graders = {"before": old_grader_class(Path(tmp))(sandbox, LIMITS), "now": Grader(sandbox, LIMITS)}
         for g in graders.values():  # warm-up: the sandbox self-test and first imports
             asyncio.run(grade_many(g, 1, 1))
         seq = {k: [] for k in graders}
         conc = {k: 0.0 for k in graders}
+        cpu = {k: [] for k in graders}
         for _ in range(args.rounds):
             for k, g in graders.items():
+                runner_cpu.clear()
                 seq[k] += asyncio.run(grade_many(g, 1, 1))
+                cpu[k] += runner_cpu
         for k, g in graders.items():
             t = time.perf_counter()
             asyncio.run(grade_many(g, args.rounds, args.concurrency))
@@ -107,6 +125,8 @@ def main() -> None:
           f"{mean['now'] / mean['before']:12.2f}")
     print(f"{f'grades/s, {args.concurrency} at a time':34s}{conc['before']:18.2f}{conc['now']:12.2f}"
           f"{conc['now'] / conc['before']:12.2f}")
+    c = {k: statistics.median(v) for k, v in cpu.items()}
+    print(f"{'median runner CPU s per grade':34s}{c['before']:18.3f}{c['now']:12.3f}{c['now'] / c['before']:12.2f}")
     drop = 1 - min(med["before"] / med["now"], conc["now"] / conc["before"])
     print(f"throughput drop (worst of the two modes): {100 * drop:.0f} % (budget: 20 %)")
 
