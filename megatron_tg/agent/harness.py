@@ -73,7 +73,12 @@ class AgentHarness:
                                tools=self.tools, task_id=task.id, group_id=ctx.group_id, rollout_id=ctx.rollout_id,
                                tool_call_reading=self.cfg.tool_call_reading)
             finish, stats = await self._loop(ctx, b, episode)
-            metadata = {**stats, **await episode.grade()}
+            try:
+                graded = await episode.grade()
+            except Exception as e:  # a FAIL for this rollout; its GRPO group keeps the others
+                log.warning("grading %s failed: %s: %s", task.id, type(e).__name__, e)
+                graded = {"tests_passed": False, "tests": {"reason": f"grading failed: {type(e).__name__}: {e}"}}
+            metadata = {**stats, **graded}
             return b.build(finish, metadata)
         finally:
             await episode.close()

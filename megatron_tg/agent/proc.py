@@ -42,8 +42,8 @@ class Limits:
     max_file_mb: int = 64
     """Largest file a process may write (RLIMIT_FSIZE)."""
     disk_mb: int = 1024
-    """Disk quota of the workspace (its allocated blocks): a call is killed past it, and a
-    workspace over it is not graded."""
+    """Disk quota of the workspace (apparent sizes, so sparse files count in full): a call is
+    killed past it, and a workspace over it is not graded."""
     max_output_bytes: int = 16384
     """Output (stdout+stderr, interleaved) kept for the observation; the rest is dropped."""
     kill_output_bytes: int = 8 << 20
@@ -94,7 +94,8 @@ class ExecResult:
 
 
 def disk_usage_bytes(root: str | os.PathLike) -> int:
-    """Allocated bytes under ``root`` (st_blocks, so sparse files count what they use)."""
+    """Bytes under ``root``: the larger of each entry's apparent size and its allocated
+    blocks, so a sparse file counts what a copy of it would write (links not followed)."""
     total = 0
     stack = [os.fspath(root)]
     while stack:
@@ -105,7 +106,7 @@ def disk_usage_bytes(root: str | os.PathLike) -> int:
                         st = e.stat(follow_symlinks=False)
                     except OSError:
                         continue
-                    total += st.st_blocks * 512
+                    total += max(st.st_blocks * 512, st.st_size if not e.is_dir(follow_symlinks=False) else 0)
                     if e.is_dir(follow_symlinks=False):
                         stack.append(e.path)
         except OSError:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import sys
 import zlib
 from dataclasses import dataclass, replace
@@ -207,8 +208,9 @@ class Sandbox:
         return args
 
     def argv(self, command: str, workdir: str | os.PathLike, limits: Limits | None = None,
-             binds: Sequence[Bind] = ()) -> list[str]:
-        """The full command line (:meth:`run` executes it)."""
+             binds: Sequence[Bind] = (), readonly_workdir: bool = False) -> list[str]:
+        """The full command line (:meth:`run` executes it). ``readonly_workdir``: the task
+        directory is mounted read-only (the grader's checkout)."""
         limits = limits or self.limits
         wd = os.path.abspath(workdir)
         inner = self._prlimit(limits) + ["/bin/sh", "-c", command]
@@ -225,7 +227,7 @@ class Sandbox:
             args += ["--perms", "0755", "--size", str(16 << 20), "--tmpfs", d]
         made: set[str] = set()
         mounts = [(p, p, False) for p in self.expose if os.path.exists(p)]
-        mounts += [(b.src, b.dest, b.writable) for b in binds] + [(wd, wd, True)]
+        mounts += [(b.src, b.dest, b.writable) for b in binds] + [(wd, wd, not readonly_workdir)]
         for src, dest, writable in mounts:
             # bwrap would create missing parents 0700 (untraversable by the dropped uid)
             for d in reversed(Path(dest).parents):
@@ -255,12 +257,13 @@ class Sandbox:
         return self._checked
 
     async def run(self, command: str, workdir: str | os.PathLike, limits: Limits | None = None, *,
-                  binds: Sequence[Bind] = (), pass_fds: Sequence[int] = ()) -> ExecResult:
+                  binds: Sequence[Bind] = (), pass_fds: Sequence[int] = (),
+                  readonly_workdir: bool = False) -> ExecResult:
         limits = limits or self.limits
         if not self._checked:
             await self.self_test(workdir)
         wd = os.path.abspath(workdir)
-        return await execute(self.argv(command, wd, limits, binds), cwd=wd, env=self._exec_env(wd),
+        return await execute(self.argv(command, wd, limits, binds, readonly_workdir), cwd=wd, env=self._exec_env(wd),
                              limits=limits, workdir=wd, pass_fds=pass_fds)
 
     def _exec_env(self, wd: str) -> dict[str, str]:
@@ -278,6 +281,33 @@ class Sandbox:
             self._checked = False
             raise SandboxError(f"the {self.mode} sandbox does not work on this machine "
                                f"(exit {res.exit_code}): {res.output.strip()[:500]}")
+        # The grader runs pytest with this interpreter inside; say so now, with the fix, if the
+        # sandbox user cannot reach it rather than grading every rollout FAIL.
+        py = os.path.join(self.python_bin_dir, "python")
+        res = await execute(self.argv(f"{py} -I -c 'import pytest'", wd, lim), cwd=wd, env=self._exec_env(wd),
+                            limits=lim, workdir=None)
+        if res.exit_code != 0:
+            self._checked = False
+            blocked = _untraversable(py, self.uid_for(wd))
+            raise SandboxError(
+                f"the sandbox cannot run {py} with pytest (exit {res.exit_code}): {res.output.strip()[-300:]}"
+                + (f"; {blocked} is not traversable by the sandbox uid: `chmod o+x {blocked}` or install the "
+                   "environment elsewhere" if blocked else "; install pytest into this environment "
+                   "(it is a runtime dependency of grading)"))
+
+
+def _untraversable(path: str, uid: int | None) -> str | None:
+    """The first directory above ``path`` that ``uid`` (None: us) cannot traverse."""
+    cur = "/"
+    for part in Path(path).parts[1:-1]:
+        cur = os.path.join(cur, part)
+        try:
+            st = os.stat(cur)
+        except OSError:
+            return cur
+        if uid is not None and st.st_uid != uid and not st.st_mode & stat.S_IXOTH:
+            return cur
+    return None
 
 
 def _under_system(p: str) -> bool:
@@ -290,11 +320,15 @@ def copy_of(sb: "Sandbox") -> "Sandbox":
 
 
 def rmtree(path: str | os.PathLike) -> None:
-    """Remove a workspace even if sandboxed code left unreadable / unwritable entries."""
+    """Remove a workspace even if sandboxed code left unreadable / unwritable entries. The
+    retry after an error never follows a link: ``chmod`` only acts on an entry ``lstat``
+    shows to be a real directory or file (a link there would chmod the host file it names)."""
     def onerror(fn, p, exc):
         try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
+            for q in (os.path.dirname(p), p):
+                st = os.lstat(q)
+                if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+                    os.chmod(q, 0o700)
             fn(p)
         except OSError:
             pass

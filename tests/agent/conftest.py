@@ -7,7 +7,12 @@ installs it with ``apt-get install -y bubblewrap``.
 
 from __future__ import annotations
 
+import os
+import shutil
+import stat
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +22,50 @@ from megatron_tg.rollout.client import GenerateResult
 
 # Short limits keep the hostile snippets cheap on a shared 2-core machine.
 FAST = Limits(wall_s=4.0, cpu_s=2, memory_mb=384, max_procs=24, max_output_bytes=4096, kill_output_bytes=1 << 20)
+
+
+NOBODY = 65534
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _blocked_for_nobody(path: str) -> str | None:
+    """The highest ancestor of ``path`` that ``nobody`` cannot traverse (a 0700 directory, as
+    ``mktemp -d`` and root's home make), or None."""
+    cur = "/"
+    for part in Path(path).parts[1:]:
+        cur = os.path.join(cur, part)
+        try:
+            st = os.stat(cur)
+        except OSError:
+            return None
+        if stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IXOTH and st.st_uid != NOBODY:
+            return cur
+    return None
+
+
+def as_nobody(argv: list[str]) -> list[str]:
+    """``argv`` run as ``nobody`` (we are root). When the checkout or its interpreter lies
+    under a directory ``nobody`` cannot traverse, the command runs in a mount namespace where
+    that directory is an empty 0755 tmpfs with only the checkout and the interpreter's
+    prefixes bound back, so the test does not depend on where the repository was cloned."""
+    need = sorted({str(REPO), sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))})
+    blocked = sorted({b for b in map(_blocked_for_nobody, need) if b})
+    cmd = [shutil.which("setpriv"), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
+    if not blocked:
+        return cmd
+    if bwrap_path() is None:
+        pytest.fail(f"{blocked[0]} is not traversable by other users (mode 0700) and bubblewrap is missing: "
+                    f"clone the repository elsewhere or `chmod o+x {blocked[0]}`")
+    wrap = [bwrap_path(), "--dev-bind", "/", "/"]
+    for b in blocked:
+        wrap += ["--perms", "0755", "--tmpfs", b]
+    for p in need:
+        if any(p == b or p.startswith(b + "/") for b in blocked):
+            for d in reversed(Path(p).parents):
+                if any(str(d).startswith(b + "/") for b in blocked):
+                    wrap += ["--perms", "0755", "--dir", str(d)]
+            wrap += ["--bind", p, p]
+    return wrap + ["--", *cmd]
 
 
 def need_bwrap() -> None:

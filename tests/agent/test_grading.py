@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -14,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import megatron_tg
-from megatron_tg.agent.grading import Grader, junit_key, parse_junit, prepare_copy
+from megatron_tg.agent.grading import Grader
 from megatron_tg.agent.sandbox import Limits, rmtree
 from megatron_tg.agent.tasks import Task, builtin_tasks, materialize, write_files
 
-REPO = Path(megatron_tg.__file__).resolve().parent.parent
+from .conftest import NOBODY, REPO, as_nobody
 LIMITS = Limits(wall_s=30.0, cpu_s=20, memory_mb=1024, max_procs=32)
 CORRECT = "def add(a, b):\n    return a + b\n"
 WRONG = "def add(a, b):\n    return 0\n"
@@ -85,7 +83,7 @@ def test_exit_hook_rewriting_the_report_does_not_pass(grader):
         "atexit.register(forge)\n"
         "os._exit = lambda code: None  # so that exit hooks run after the runner's exit\n")
     g = grade(grader, {"calc.py": hook})
-    assert not g.passed and ("signature" in g.reason or "canary" in g.reason or "did not pass" in g.reason), g.reason
+    assert not g.passed and g.reason.startswith("tampering detected: os: _exit patched"), g.reason
 
 
 def test_forged_report_does_not_pass(grader):
@@ -97,7 +95,7 @@ def test_forged_report_does_not_pass(grader):
         "open('/tg-report/junit.xml.sig', 'w').write('0' * 64)\n"
         "os._exit(0)\n")
     g = grade(grader, {"calc.py": forge})
-    assert not g.passed and "signature" in g.reason, g.reason
+    assert not g.passed and g.reason.startswith("the tests could not be collected: tests/test_add.py"), g.reason
 
 
 # Each steers only the task's tests (not the grader's canaries), so only removing or
@@ -126,13 +124,16 @@ def test_files_that_steer_the_test_runner_do_not_pass(grader, steer):
     assert g.passed, (g.reason, g.output)
 
 
-def test_deleting_the_tasks_conftest_or_test_files_does_not_help(grader):
+def test_deleting_or_replacing_the_tasks_tests_does_not_help(grader):
+    """Test support always comes from the pristine source: the policy's deletions and
+    rewrites of it are listed as ignored, never graded."""
     g = grade(grader, {"calc.py": CORRECT}, after=lambda ws: (os.unlink(Path(ws, "tests/conftest.py")),
                                                              os.unlink(Path(ws, "tests/test_calc.py"))))
-    assert not g.passed and g.tests["tests/test_calc.py::test_importable"] == "missing", g.reason
+    assert g.passed and g.ignored == ["tests/conftest.py", "tests/test_calc.py"], (g.reason, g.ignored)
     fake = {"tests/test_add.py": "def test_small():\n    pass\n\n\ndef test_negative():\n    pass\n"}
     g = grade(grader, {"calc.py": WRONG, **fake})  # the task's test files replace the agent's
     assert not g.passed and g.tests["tests/test_add.py::test_small"] == "failed"
+    assert g.metadata()["tests"]["ignored"] == ["tests/test_add.py"]
 
 
 @pytest.mark.parametrize("patch", [
@@ -153,59 +154,45 @@ def test_deleting_the_tasks_conftest_or_test_files_does_not_help(grader):
 ], ids=["report-outcome", "skip-test-bodies", "swallow-exceptions", "only-under-tests"])
 def test_monkeypatching_pytest_from_the_solution_does_not_pass(grader, patch):
     g = grade(grader, {"calc.py": patch + WRONG})
-    assert not g.passed and "canary" in g.reason, (g.reason, g.output)
+    assert not g.passed and g.reason.startswith("tampering detected: "), (g.reason, g.output)
     g = grade(grader, {"calc.py": CORRECT})
     assert g.passed
 
 
-def test_unreadable_and_special_files_are_still_graded(grader):
-    """Issue #18 probe: a `chmod 000` file made grading raise."""
+def test_unreadable_files_are_still_graded_and_special_files_refused(grader):
+    """Issue #18 probe: a `chmod 000` file made grading raise. A FIFO is refused, by name."""
     def lock(ws):
-        os.mkfifo(Path(ws, "pipe"))
         os.chmod(Path(ws, "calc.py"), 0)
         os.chmod(Path(ws, "tests"), 0o300)
     g = grade(grader, {"calc.py": CORRECT}, after=lock)
     assert g.passed, (g.reason, g.output)
+    g = grade(grader, {"calc.py": CORRECT}, after=lambda ws: os.mkfifo(Path(ws, "pipe")))
+    assert not g.passed and g.reason == "not graded: pipe is a FIFO (only regular files are graded)", g.reason
 
 
-def test_unreadable_files_are_copied_for_an_unprivileged_grader():
-    """The non-root path of the copy (as root, permissions never stop a read)."""
-    if os.geteuid() != 0:
-        src = tempfile.mkdtemp()
-    else:
-        src = tempfile.mkdtemp(prefix="tg-nobody-")
-    dst = src + "-copy"
+def test_unreadable_files_are_read_by_an_unprivileged_grader():
+    """The non-root path of the extraction (as root, permissions never stop a read): a file
+    and a directory the policy chmod'ed away are read through O_PATH descriptors."""
+    src = tempfile.mkdtemp(prefix="tg-nobody-")
+    orig = tempfile.mkdtemp(prefix="tg-nobody-orig-")
     try:
         Path(src, "d").mkdir()
         Path(src, "d", "f.py").write_text("X = 1\n")
         os.chmod(Path(src, "d", "f.py"), 0)
         os.chmod(Path(src, "d"), 0o100)
-        if os.geteuid() == 0:
-            for p in (src, f"{src}/d", f"{src}/d/f.py"):
-                os.chown(p, 65534, 65534)
-            code = (f"from megatron_tg.agent.grading import prepare_copy; prepare_copy({src!r}, {dst!r}); "
-                    f"print(open({dst!r} + '/d/f.py').read())")
-            shutil.rmtree(dst, ignore_errors=True)
-            os.makedirs(dst)
-            os.chown(dst, 65534, 65534)
-            r = subprocess.run([shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups",
-                                sys.executable, "-c", code], env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"]},
-                               capture_output=True, text=True, timeout=60, cwd="/")
-            assert r.returncode == 0 and r.stdout == "X = 1\n\n", r.stderr
+        code = (f"from megatron_tg.agent.changes import extract; c = extract({src!r}, {orig!r}, max_bytes=1 << 20, "
+                f"max_files=100); print(c.written)")
+        if os.geteuid() != 0:
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         else:
-            prepare_copy(src, dst)
-            assert Path(dst, "d", "f.py").read_text() == "X = 1\n"
+            for p in (src, f"{src}/d", f"{src}/d/f.py", orig):
+                os.chown(p, NOBODY, NOBODY)
+            r = subprocess.run(as_nobody([sys.executable, "-c", code]), env={"PYTHONPATH": str(REPO),
+                               "PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=60, cwd="/")
+        assert r.returncode == 0 and r.stdout == "{'d/f.py': b'X = 1\\n'}\n", r.stdout + r.stderr
     finally:
         rmtree(src)
-        rmtree(dst)
-
-
-def test_junit_ids_follow_pytest():
-    assert junit_key("tests/test_a.py::TestX::test_y[1-a]") == ("tests.test_a.TestX", "test_y[1-a]")
-    xml = (b'<testsuites><testsuite><testcase classname="m" name="a"/><testcase classname="m" name="b">'
-           b'<failure/></testcase><testcase classname="m" name="a"><error/></testcase>'
-           b'<testcase classname="m" name="c"><skipped/></testcase></testsuite></testsuites>')
-    assert parse_junit(xml) == {("m", "a"): "error", ("m", "b"): "failed", ("m", "c"): "skipped"}
+        rmtree(orig)
 
 
 def test_builtin_tasks_reference_solutions_pass_and_starting_files_fail(grader):
@@ -239,8 +226,8 @@ def test_grading_as_an_unprivileged_caller():
               "        os.chmod(os.path.join(ws, 'calc.py'), 0)\n"
               "    g = asyncio.run(Grader(sb, LIMITS).grade(TASK, ws))\n"
               "    print('GRADE', g.passed, g.reason)\n")
-    r = subprocess.run([shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-                        "-c", script], env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"], "HOME": "/nonexistent"},
+    r = subprocess.run(as_nobody([sys.executable, "-c", script]),
+                       env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"], "HOME": "/nonexistent"},
                        capture_output=True, text=True, timeout=120, cwd="/")
     grades = [ln for ln in r.stdout.splitlines() if ln.startswith("GRADE")]
     assert r.returncode == 0 and len(grades) == 2, r.stdout + r.stderr

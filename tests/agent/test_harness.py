@@ -54,7 +54,7 @@ def test_scripted_episode_is_token_exact_and_passes_hidden_tests(tok, harness, t
         turn(tok, "", None, ("search", {"query": "apply discount", "lines": 2})),
         BAD_CALL,
         turn(tok, "Reading.", None, ("read_file", {"path": "shop/pricing.py"}),
-             ("run_shell", {"command": "ls; cat _hidden_test.py; mkfifo pipe"})),
+             ("run_shell", {"command": "ls; cat _hidden_test.py; mkfifo /tmp/pipe"})),
         turn(tok, "", None, ("edit_file", {"path": "shop/pricing.py", "old_string": "amount - percent",
                                             "new_string": "amount * (1 - percent / 100)"})),
         turn(tok, "", None, ("run_tests", {})),

@@ -255,9 +255,10 @@ def test_disk_quota_of_the_workspace(sandbox, workdir):
 
 def test_non_root_caller_gets_the_same_isolation(workdir):
     """The user-namespace path (an unprivileged caller), run as `nobody` when we are root."""
-    import shutil
     import subprocess
     import sys
+
+    from .conftest import as_nobody
     if os.geteuid() != 0:
         pytest.skip("already unprivileged: the other tests of this file cover this path")
     d = tempfile.mkdtemp(prefix="tg-nonroot-")
@@ -274,9 +275,8 @@ def test_non_root_caller_gets_the_same_isolation(workdir):
                   f"r = asyncio.run(sb.run('id -u; cat {secret}; echo $HOME; ls /root; python -c \"print(7*6)\"', {d!r}))\n"
                   "print(r.output)\n")
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "HOME": "/nonexistent"}
-        out = subprocess.run([shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups",
-                              sys.executable, "-c", script], env=env, cwd=d, capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(as_nobody([sys.executable, "-c", script]), env=env, cwd=d, capture_output=True,
+                             text=True, timeout=60)
         text = out.stdout + out.stderr
         if "setting up uid map" in text or "No permissions to creating new namespace" in text:
             pytest.skip(f"unprivileged user namespaces are disabled here: {text.strip()[:200]}")

@@ -29,6 +29,7 @@ import ast
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,6 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_tg.agent.grading import junit_key
 
 _FLIP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
          ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
@@ -114,6 +114,16 @@ def apply(source: str, m: Mutation) -> str:
     head = "".join(lines[: m.lineno - 1]) + lines[m.lineno - 1].encode()[: m.col].decode()
     tail = lines[m.end_lineno - 1].encode()[m.end_col:].decode() + "".join(lines[m.end_lineno:])
     return head + m.replacement + tail
+
+
+def junit_key(node_id: str) -> tuple[str, str]:
+    """(classname, name) under which pytest's junitxml reports ``node_id`` (what pytest's
+    ``mangle_test_address`` computes, without importing pytest's internals here)."""
+    path, bracket, params = node_id.partition("[")
+    names = path.split("::")
+    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
+    names[-1] += bracket + params
+    return ".".join(names[:-1]), names[-1]
 
 
 def run_suite(tree: Path, test_paths: list[str], timeout_s: float = 300) -> dict[str, tuple[str, str]]:
