@@ -35,6 +35,7 @@ SINGLE_FILE = "model.safetensors"
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit
 
 # Files copied next to a converted checkpoint so that export can restore a complete HF dir.
+MODEL_FILES = ("config.json", "generation_config.json")  # the model's, not the tokenizer's
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer*", "vocab*", "merges.txt",
               "special_tokens_map.json", "added_tokens.json", "chat_template*",
               "preprocessor_config.json")
@@ -272,12 +273,16 @@ class LazyReader:
         self._since_reopen = 0
 
 
-def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy config/tokenizer files (see :data:`SIDE_FILES`) from ``src`` to ``dst``."""
+def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike,
+                    skip: tuple[str, ...] = ()) -> list[str]:
+    """Copy config/tokenizer files (see :data:`SIDE_FILES`) from ``src`` to ``dst``, except
+    the names in ``skip``."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for path in sorted(src.iterdir()):
+        if path.name in skip:
+            continue
         if path.is_file() and any(fnmatch.fnmatch(path.name, p) for p in SIDE_FILES):
             shutil.copy2(path, dst / path.name)
             copied.append(path.name)

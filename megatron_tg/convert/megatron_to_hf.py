@@ -58,6 +58,10 @@ from megatron_tg.parallel.dims import ParallelDims
 # rng_state, ... which export ignores).
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
+# Which weights of a trainer checkpoint to export: the trained policy, or the frozen/EMA
+# expert the trainer saves under this key prefix (train/checkpoint.py, objective.expert).
+WEIGHTS = {"policy": "", "expert": "expert."}
+
 
 @dataclass(frozen=True)
 class ExportJob:
@@ -70,6 +74,7 @@ class ExportJob:
     max_shard_bytes: int
     vocab_pad_multiple: int = 128
     progress: bool = True
+    key_prefix: str = ""  # WEIGHTS[...]: "" for the policy, "expert." for the expert
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
@@ -80,15 +85,20 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
+def load_megatron_checkpoint(model, ckpt_dir: str, prefix: str = "") -> None:
     """Load a torch_dist checkpoint into ``model`` (this rank's shard), refusing mismatches.
+
+    ``prefix``: the key prefix of the weights to read ("" = the model a converter or the
+    trainer wrote; "expert." = a trainer checkpoint's frozen/EMA expert). Only the model's
+    tensors are requested, so a trainer checkpoint's optimizer state (moments, main
+    parameters: ~3x the model in fp32) is never read.
 
     Collective: every rank must call it. Raises the same :class:`ConversionError` on all.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    sharded = model.sharded_state_dict()
+    sharded = model.sharded_state_dict(prefix=prefix)
     mine = {v.key: v for v in sharded.values()
             if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
     stored = dist_checkpointing.load_tensors_metadata(ckpt_dir)
@@ -102,7 +112,8 @@ def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
     requested = set().union(*(set(e[0]) for e in everyone))
     missing = sorted(set().union(*(e[1] for e in everyone)))
     wrong = sorted(set().union(*(e[2] for e in everyone)))
-    unexpected = [k for k in stored if k.startswith(MODEL_KEY_PREFIXES) and k not in requested]
+    ours = tuple(prefix + p for p in MODEL_KEY_PREFIXES)
+    unexpected = [k for k in stored if k.startswith(ours) and k not in requested]
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing tensor(s): {name_list(missing)}")
@@ -114,7 +125,9 @@ def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
         raise ConversionError(f"megatron checkpoint {ckpt_dir} does not match the model of its "
                               "config.json: " + "; ".join(problems))
     state = dist_checkpointing.load(sharded, ckpt_dir)
-    model.load_state_dict(state, strict=True)
+    # megatron merges the checkpoint's common (non-tensor) state into the result: in a
+    # trainer checkpoint that holds "optimizer" (param groups, step), which is not ours.
+    model.load_state_dict({k.removeprefix(prefix): state[k] for k in sharded}, strict=True)
 
 
 def _gather(t: torch.Tensor, group, size: int, is_dst: bool) -> list[torch.Tensor] | None:
@@ -152,7 +165,7 @@ def _export_worker(rank: int, world: int, job: ExportJob) -> dict[str, Any]:
                         params_dtype=dtype_from_name(job.dtype), perform_initialization=False,
                         vocab_pad_multiple=job.vocab_pad_multiple)
     with mem.watch():
-        load_megatron_checkpoint(model, job.megatron_dir)
+        load_megatron_checkpoint(model, job.megatron_dir, prefix=job.key_prefix)
     mem.end_phase("load")
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     t_load = time.perf_counter()
@@ -261,21 +274,34 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
                            hf_config_dir: str | Path | None = None, tp: int = 1, ep: int = 1,
                            pp: int = 1, etp: int | None = None, max_shard_size: str | int = "5GB",
                            overwrite: bool = False, progress: bool = True,
+                           weights: str = "policy",
                            timeout_s: float | None = None) -> ConversionResult:
-    """Export a megatron torch_dist checkpoint to an HF dir, reading it at tp/ep/pp."""
+    """Export a megatron torch_dist checkpoint to an HF dir, reading it at tp/ep/pp.
+
+    ``megatron_dir``: a converted checkpoint, or a trainer step dir (``step_N/``, its
+    tensors in ``dist/``, its config and tokenizer files in ``hf_config/``), or that
+    ``dist/`` itself. ``weights``: "policy" (the trained model), or "expert" (a trainer
+    checkpoint's frozen/EMA expert; the EMA's fp32 average, cast to the HF dtype).
+    """
     start = time.perf_counter()
+    if weights not in WEIGHTS:
+        raise ConversionError(f"weights={weights!r}: choose one of {', '.join(WEIGHTS)}")
+    prefix = WEIGHTS[weights]
     mdir = Path(megatron_dir)
     # A converted checkpoint holds megatron's files directly; a trainer checkpoint
-    # (step_N/) holds them in dist/ next to its own state: accept both.
+    # (step_N/) holds them in dist/ next to its own state: accept both (and dist/ itself).
     dist_dir = next((d for d in (mdir, mdir / "dist") if _is_torch_dist(d)), None)
     if dist_dir is None:
         raise ConversionError(f"{mdir} is not a megatron torch_dist checkpoint (no metadata.json "
                               "with sharded_backend=torch_dist, here or in dist/)")
-    meta = read_metadata(mdir)
-    cfg_dir = Path(hf_config_dir) if hf_config_dir else mdir / HF_CONFIG_SUBDIR
+    step_dir = dist_dir.parent if dist_dir.name == "dist" else dist_dir
+    meta = read_metadata(step_dir)
+    cfg_dir = Path(hf_config_dir) if hf_config_dir else step_dir / HF_CONFIG_SUBDIR
     if not (cfg_dir / "config.json").exists():
         raise ConversionError(f"no config.json in {cfg_dir}" + ("" if hf_config_dir else
-                              "; this checkpoint carries no HF config: pass --hf-config-dir"))
+                              "; this checkpoint carries no HF config (a trainer checkpoint "
+                              "written before checkpoints stored hf_config/): pass "
+                              "--hf-config-dir"))
     cfg = load_hf_config_dict(cfg_dir)
     arch = Qwen3Arch.from_hf(cfg, source=str(cfg_dir / "config.json"))
     if meta is not None:
@@ -291,14 +317,21 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
 
     check_storage_files(dist_dir)
     stored = dist_checkpointing.load_tensors_metadata(str(dist_dir))
-    dtype = dtype_from_name(meta["megatron_dtype"]) if meta else \
-        next(v.dtype for k, v in stored.items() if k.startswith(MODEL_KEY_PREFIXES))
+    ours = tuple(prefix + k for k in MODEL_KEY_PREFIXES)
+    model_dtypes = [v.dtype for k, v in stored.items() if k.startswith(ours)]
+    if not model_dtypes:
+        raise ConversionError(
+            f"{dist_dir} holds no {weights} weights (no tensor named {ours[0]}...)" +
+            (": a trainer checkpoint has an expert only when trained with objective.expert="
+             "ema or frozen (shared, the default, uses the live policy)" if prefix else ""))
+    # The expert's dtype is its own: the EMA is saved in fp32 whatever the policy's dtype.
+    dtype = dtype_from_name(meta["megatron_dtype"]) if meta and not prefix else model_dtypes[0]
     hf_dtype = dtype_from_name(meta["hf_dtype"]) if meta else (config_dtype(cfg) or dtype)
     pad = (meta or {}).get("writer_layout", {}).get("vocab_pad_multiple", 128)
     job_kwargs = dict(megatron_dir=str(dist_dir.absolute()), config=cfg, layout=layout,
                       dtype=dtype_name(dtype), hf_dtype=dtype_name(hf_dtype),
                       max_shard_bytes=parse_size(max_shard_size), vocab_pad_multiple=pad,
-                      progress=progress)
+                      progress=progress, key_prefix=prefix)
     with staged_output(out_dir, overwrite) as tmp:
         ranks = launch(_export_worker, layout.world_size, ExportJob(out_dir=str(tmp), **job_kwargs),
                        timeout_s=timeout_s)
@@ -309,7 +342,8 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
         copy_side_files(cfg_dir, tmp)
     tensors = sum(r["tensors_written"] for r in ranks)
     seconds = time.perf_counter() - start
-    summary = summary_line("megatron -> hf", tensors, total, seconds, str(out_dir), ranks)
+    summary = summary_line(f"megatron -> hf ({weights})", tensors, total, seconds, str(out_dir),
+                           ranks)
     return ConversionResult(str(out_dir), tensors, total, seconds, ranks, summary)
 
 
@@ -317,12 +351,16 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--megatron-dir", required=True,
-                        help="megatron torch_dist checkpoint dir (a converted checkpoint, or a "
-                             "trainer step dir whose dist/ holds it; then pass --hf-config-dir)")
+                        help="megatron torch_dist checkpoint dir: a converted checkpoint, or a "
+                             "trainer step dir (RUN/checkpoints/step_N, or its dist/)")
     parser.add_argument("--out-dir", required=True, help="HF model dir to create")
     parser.add_argument("--hf-config-dir", default=None,
                         help="take config.json / tokenizer files from here (default: the copy "
-                             "the HF -> megatron converter stored in the checkpoint)")
+                             "the converter or the trainer stored in the checkpoint's "
+                             "hf_config/)")
+    parser.add_argument("--weights", choices=sorted(WEIGHTS), default="policy",
+                        help="policy (default): the trained model; expert: a trainer "
+                             "checkpoint's frozen/EMA expert (objective.expert=ema|frozen)")
     add_layout_arguments(parser, "to read at")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="cap per safetensors file, e.g. 5GB, 500MB (default 5GB)")
@@ -335,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
     return run_reporting(lambda: convert_megatron_to_hf(
         args.megatron_dir, args.out_dir, hf_config_dir=args.hf_config_dir, tp=args.tp,
         ep=args.ep, pp=args.pp, etp=args.etp, max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite, progress=not args.no_progress))
+        overwrite=args.overwrite, progress=not args.no_progress, weights=args.weights))
 
 
 def main(argv: list[str] | None = None) -> int:

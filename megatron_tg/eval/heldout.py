@@ -7,14 +7,16 @@ step and the last step. It rolls out ``evaluation.samples`` rollouts per held-ou
 the run's own rollout function (the harness, or the demo's agent) through the same client
 and version gate as training rollouts, judges them with the run's judge and returns:
 
-* ``eval/pass@1``: the fraction of judged rollouts whose primary criteria all pass (the
+* ``eval/pass@k`` for every k in 1..``evaluation.samples``: the unbiased estimator of
+  Chen et al. (2021) per task (``c`` of ``n`` samples pass every primary criterion: the
   rubric's ``primary`` criteria or ``objective.primary_criteria``; every criterion when none
-  is primary). With one sample per task this is pass@1 over tasks; with more it is the mean
-  of each task's per-sample pass rate (every task has the same number of samples);
-* ``eval/criteria/<name>``: each criterion's pass rate;
-* ``..._lo`` / ``..._hi``: Wilson score intervals at ``evaluation.confidence`` (rollouts taken
-  as independent draws; with several samples per task they are correlated within a task,
-  so the interval is then somewhat narrower than the truth);
+  is primary), averaged over tasks (:mod:`megatron_tg.eval.passk`). pass@1 is then the mean
+  of each task's pass rate;
+* ``eval/criteria/<name>``: each criterion's pass rate (the mean of the tasks' rates);
+* ``..._lo`` / ``..._hi``: intervals at ``evaluation.confidence`` clustered by task (a
+  Wilson interval at the effective sample size of the tasks' values: samples of one task are
+  correlated, the tasks are the independent units; :func:`~megatron_tg.eval.passk.
+  clustered_interval`). With one sample per task it is the Wilson interval over tasks;
 * ``eval/n`` (judged rollouts), ``eval/tasks``, ``eval/rollout_errors`` (rollouts that
   raised, e.g. an engine error: excluded, counted), ``eval/judge_errors`` (excluded, counted),
   ``eval/seconds``, and the run's task-specific rollout metrics under ``eval/``.
@@ -56,20 +58,30 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
 
 
 def rates(passed: Sequence[Mapping[str, bool]], criteria: Sequence[str], primary: Sequence[str],
-          confidence: float = 0.95, prefix: str = "eval/") -> dict[str, float]:
-    """pass@1 and per-criterion rates with intervals from judged rollouts' ``passed`` maps."""
+          confidence: float = 0.95, prefix: str = "eval/",
+          task_ids: Sequence[str] | None = None) -> dict[str, float]:
+    """pass@k (k = 1..the fewest samples of a task) and per-criterion rates, with intervals
+    clustered by task, from judged rollouts' ``passed`` maps. ``task_ids[i]`` names the task
+    of rollout ``i``; None: every rollout is its own task (one sample per task)."""
+    from megatron_tg.eval.passk import by_task, clustered_interval, pass_at_k_table
+
     n = len(passed)
+    ids = list(task_ids) if task_ids is not None else [str(i) for i in range(n)]
     out: dict[str, float] = {f"{prefix}n": float(n)}
-
-    def put(key: str, k: int) -> None:
-        lo, hi = wilson_interval(k, n, confidence)
-        out[key] = k / n if n else float("nan")
-        out[f"{key}_lo"], out[f"{key}_hi"] = lo, hi
-
     gate = list(primary) or list(criteria)
-    put(f"{prefix}pass@1", sum(1 for p in passed if all(p.get(c, False) for c in gate)))
+    ok = [all(p.get(c, False) for c in gate) for p in passed]
+    table = pass_at_k_table(by_task(ids, ok), confidence)
+    if not table:
+        table = {1: (math.nan, 0.0, 1.0)}
+    for k, (mean, lo, hi) in table.items():
+        out[f"{prefix}pass@{k}"], out[f"{prefix}pass@{k}_lo"], out[f"{prefix}pass@{k}_hi"] = \
+            mean, lo, hi
     for c in criteria:
-        put(f"{prefix}criteria/{c}", sum(1 for p in passed if p.get(c, False)))
+        counts = by_task(ids, [p.get(c, False) for p in passed])
+        mean, lo, hi = clustered_interval([k / m for m, k in counts.values()],
+                                          [m for m, _ in counts.values()], confidence)
+        key = f"{prefix}criteria/{c}"
+        out[key], out[f"{key}_lo"], out[f"{key}_hi"] = mean, lo, hi
     return out
 
 
@@ -108,9 +120,13 @@ class HeldOutEvaluation:
         infos = {ro.task_id: self.task_info(task) for task, ro in rollouts}
         results = self.side.call(self.side.judge.judge_many([ro for _, ro in rollouts],
                                                             task_infos=infos))
-        judged = [(ro, res) for (_, ro), res in zip(rollouts, results) if res.trainable]
+        # Samples are clustered by the task they came from (its position in the list: ids
+        # of generated tasks need not be unique or set).
+        index = {id(t): i for i, t in enumerate(self.tasks)}
+        judged = [(str(index[id(task)]), res) for (task, _), res in zip(rollouts, results)
+                  if res.trainable]
         out = rates([res.passed for _, res in judged], self.criteria, self.primary,
-                    self.cfg.evaluation.confidence)
+                    self.cfg.evaluation.confidence, task_ids=[k for k, _ in judged])
         out.update({"eval/tasks": float(len(self.tasks)), "eval/rollout_errors": float(len(errors)),
                     "eval/judge_errors": float(len(results) - len(judged))})
         if self.rollout_metrics is not None and rollouts:
@@ -151,16 +167,15 @@ class HeldOutEvaluation:
         return ok, errors
 
 
-def disjoint_tasks(held_out: Sequence[Any], train: Sequence[Any], source: str) -> list[Any]:
-    """``held_out``, refused if any of its task ids is also a training task: a held-out number
-    on tasks the policy trains on would measure memorisation, not generalisation."""
-    from megatron_tg.config.base import ConfigError
+def disjoint_tasks(held_out: Sequence[Any], train: Sequence[Any], source: str,
+                   transcripts: str | None = None) -> list[Any]:
+    """``held_out``, refused if any task is also a training task (by id, by content: text,
+    tests, SWE repository) or its text is a user turn of the SFT transcripts
+    (:mod:`megatron_tg.eval.disjoint`)."""
+    from megatron_tg.eval.disjoint import check_disjoint
 
-    shared = sorted({t.id for t in held_out} & {t.id for t in train})
-    if shared:
-        raise ConfigError(f"evaluation.tasks: {len(shared)} task id(s) of {source} are also "
-                          f"training tasks (rollout.tasks): {shared[:5]}")
-    return list(held_out)
+    return check_disjoint(held_out, train=train, transcripts_path=transcripts,
+                          source=f"evaluation.tasks ({source})")
 
 
 def attach_evaluation(side, rollout_fn, tasks: Sequence[Any], cfg, **kw) -> HeldOutEvaluation:

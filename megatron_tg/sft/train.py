@@ -85,6 +85,7 @@ def export_model(trainer, out_dir) -> Path:
 
     from megatron.core import dist_checkpointing
 
+    from megatron_tg.convert.common import HF_CONFIG_SUBDIR
     from megatron_tg.train.policy import unwrap
 
     out = Path(out_dir)
@@ -96,6 +97,9 @@ def export_model(trainer, out_dir) -> Path:
     dist_checkpointing.save(unwrap(trainer.model).sharded_state_dict(), str(tmp / "dist"))
     dist.barrier()
     if trainer.ctx.rank == 0:
+        # config and tokenizer files beside it, as in the trainer's checkpoints: the export
+        # to HF (convert megatron-to-hf) then needs no --hf-config-dir
+        trainer.checkpointer.copy_hf_files(tmp / HF_CONFIG_SUBDIR)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     dist.barrier()

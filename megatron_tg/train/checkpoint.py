@@ -7,6 +7,10 @@ Layout of ``ROOT``::
                                  frozen/EMA expert, "expert" (resharding; the EMA in fp32)
     ROOT/step_00000040/trainer_state.pt   step, rollout-manager state, objective state, config
     ROOT/step_00000040/rng/rank_00003.pt  every rank's RNG streams (CPU, CUDA, megatron tracker)
+    ROOT/step_00000040/hf_config/  the run's HF config.json, generation config, tokenizer
+                                 files and chat template (copies: a few MB), so that
+                                 ``megatron-tg convert megatron-to-hf`` writes a complete HF
+                                 dir from the step dir alone, like from a converted checkpoint
     ROOT/step_00000040/COMPLETE  written last, before the rename
 
 A save goes to ``ROOT/.tmp-step_…`` and is renamed only when every rank has finished, so a
@@ -38,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_tg.convert.common import HF_CONFIG_SUBDIR
 from megatron_tg.train.ema import ShardedEMA
 from megatron_tg.train.policy import unwrap
 from megatron_tg.train.signals import ignore_stop_signals
@@ -122,10 +127,18 @@ def _with_data(sharded: dict[str, Any], tensors: dict[str, torch.Tensor],
 
 
 class Checkpointer:
-    def __init__(self, root: str | os.PathLike, keep_last: int = 3, async_save: bool = False) -> None:
+    def __init__(self, root: str | os.PathLike, keep_last: int = 3, async_save: bool = False,
+                 hf_model_dir: str | os.PathLike | None = None,
+                 hf_tokenizer_dir: str | os.PathLike | None = None) -> None:
+        """``hf_model_dir`` / ``hf_tokenizer_dir``: where every save copies the HF side files
+        into ``hf_config/`` from (:data:`~megatron_tg.convert.hf_io.SIDE_FILES`): config.json
+        and generation_config.json from the model's directory, tokenizer files and chat
+        template from the tokenizer's (which win where both have one)."""
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
         self.root = Path(root)
+        self.hf_model_dir = Path(hf_model_dir) if hf_model_dir else None
+        self.hf_tokenizer_dir = Path(hf_tokenizer_dir) if hf_tokenizer_dir else None
         self.keep_last = keep_last
         self.async_save = async_save
         self._queue = None  # megatron's AsyncCallsQueue, made at the first async save
@@ -175,6 +188,7 @@ class Checkpointer:
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
         if _rank() == 0:
             torch.save({"step": step, **trainer_state}, tmp / "trainer_state.pt")
+            self.copy_hf_files(tmp / HF_CONFIG_SUBDIR)
         if request is None:  # written: complete it now
             self._complete(step, tmp)
         else:  # megatron runs this after its own finalization, once every rank's writer is done
@@ -186,6 +200,15 @@ class Checkpointer:
             self._queue.schedule_async_request(request)
             self.in_flight.append(step)
         return self.root / name
+
+    def copy_hf_files(self, dst: Path) -> None:
+        """Copy the run's HF config and tokenizer files into ``dst`` (rank 0's job)."""
+        from megatron_tg.convert.hf_io import MODEL_FILES, copy_side_files
+
+        if self.hf_model_dir is not None and self.hf_model_dir.is_dir():
+            copy_side_files(self.hf_model_dir, dst)
+        if self.hf_tokenizer_dir is not None and self.hf_tokenizer_dir.is_dir():
+            copy_side_files(self.hf_tokenizer_dir, dst, skip=MODEL_FILES)
 
     def finalize(self, blocking: bool = False) -> list[int]:
         """Collective: complete the asynchronous saves whose writes have finished on every

@@ -46,7 +46,8 @@ def default_rollout_side(trainer):
     if cfg.evaluation.tasks:
         from megatron_tg.eval.heldout import attach_evaluation, disjoint_tasks
 
-        held_out = disjoint_tasks(load_tasks(cfg.evaluation.tasks), tasks, cfg.evaluation.tasks)
+        held_out = disjoint_tasks(load_tasks(cfg.evaluation.tasks), tasks, cfg.evaluation.tasks,
+                                  transcripts=cfg.sft.data or None)
         attach_evaluation(side, harness, held_out, cfg)
     return side
 
@@ -64,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.recipe, list(args.overrides))
     check_task_file(cfg.rollout.tasks)
+    from megatron_tg.eval.disjoint import check_recipe
+
+    check_recipe(cfg)  # held-out tasks overlapping the training data: refused before any model
     from megatron_tg.parallel.state import LaunchEnv
 
     if LaunchEnv.from_env().rank == 0:  # the one reading of torchrun / srun ranks

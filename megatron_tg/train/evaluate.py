@@ -73,6 +73,14 @@ def run(args: argparse.Namespace) -> int:
             return 2
         overrides += [f"checkpoint.dir={args.checkpoint}", "checkpoint.resume=true"]
     cfg = load_config(args.recipe, overrides)
+    from megatron_tg.config.base import ConfigError
+    from megatron_tg.eval.disjoint import check_recipe
+
+    try:  # before any model is built: held-out tasks that were trained on are refused
+        check_recipe(cfg)
+    except ConfigError as exc:
+        print(f"megatron-tg eval: error: {exc}", file=sys.stderr)
+        return 2
     record = evaluate(cfg, default_rollout_side)
     if record is None:
         return 0

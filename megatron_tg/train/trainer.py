@@ -102,8 +102,11 @@ class Trainer:
         tok_dir = cfg.model.tokenizer or cfg.model.hf_checkpoint or cfg.model.hf_config
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(
             tok_dir if os.path.isdir(tok_dir) else os.path.dirname(tok_dir))
-        self.checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last,
-                                         async_save=cfg.checkpoint.async_save)
+        # Each checkpoint carries the HF config and tokenizer files, which export needs.
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint.dir, cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
+            hf_model_dir=cfg.model.hf_config_file().parent,
+            hf_tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else os.path.dirname(tok_dir))
         self.step = 0
         self.turn_stats: TurnStats = {}
         """Per (rollout, turn): loss/gated tokens, mean KL, mean IS weight of the last step."""

@@ -1,9 +1,15 @@
-"""Framing against Qwen3-Coder-30B-A3B-Instruct's own chat template and special-token ids.
+"""Framing against Qwen3-Coder-30B-A3B-Instruct's own chat templates and special-token ids.
 
-The tokenizer (``tests/chat/qwen3_coder.py``) carries the model's published
-``tokenizer_config.json`` unchanged; every expectation below is the template's own rendering,
-never a string written here, except where a test pins a documented behaviour of the template
-(what it does to thinking, to non-string argument values, to content around calls).
+Every test runs on every released template version in ``tests/fixtures/qwen3_coder``
+(``versions.json``: the first release inside ``tokenizer_config.json``, and the separate
+``chat_template.jinja`` of September 2025 that transformers 5.x prefers). The tokenizer
+(``tests/chat/qwen3_coder.py``) carries the published files unchanged; every expectation
+below is the template's own rendering, never a string written here, except where a test
+pins a documented behaviour of a version (what it does to thinking, to non-string argument
+values, to content around calls). The properties the framing relies on are checked on each
+version: prompt + generated turns = the whole rendering, token for token; a parsed call
+re-renders to the generated text for every argument type; consecutive tool results form
+one user turn; the generation prompt is ``<|im_start|>assistant\n``.
 """
 
 from __future__ import annotations
@@ -16,12 +22,26 @@ from megatron_tg.chat.framing import (
     insert_feedback, parse_assistant, render, stop_token_id)
 
 from .convos import SEARCH_TOOL, call
-from .qwen3_coder import build_qwen3_coder_tokenizer, published_config
+from .qwen3_coder import VERSIONS, build_qwen3_coder_tokenizer, published_config, template_text
+
+# How each version writes a non-string argument value: 2025-07 with Python's str() for every
+# value; 2025-09 mappings and lists as JSON, other values still with str().
+WRITTEN = {
+    "2025-07": {"flags": "{'dry_run': False, 'count': 1}", "ranges": "[[1, 2], [5, 9]]"},
+    "2025-09": {"flags": '{"dry_run": false, "count": 1}', "ranges": "[[1, 2], [5, 9]]"},
+}
+assert set(WRITTEN) == set(VERSIONS), "a fixture version without expectations"
+
+
+@pytest.fixture(scope="module", params=sorted(VERSIONS))
+def version(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def qtok(tmp_path_factory):
-    return build_qwen3_coder_tokenizer(tmp_path_factory.mktemp("qwen3_coder_tok"))
+def qtok(tmp_path_factory, version):
+    return build_qwen3_coder_tokenizer(tmp_path_factory.mktemp(f"qwen3_coder_{version}"),
+                                       version=version)
 
 
 def _upto_last_stop(text: str, stop: str = "<|im_end|>") -> str:
@@ -52,7 +72,7 @@ def agent_conversation() -> list[dict]:
     ]
 
 
-def test_special_token_ids_are_the_published_ones(qtok):
+def test_special_token_ids_are_the_published_ones(qtok, version):
     cfg = published_config()
     real = {t["content"]: int(i) for i, t in cfg["added_tokens_decoder"].items()}
     assert {t: qtok.convert_tokens_to_ids(t) for t in real} == real
@@ -63,7 +83,12 @@ def test_special_token_ids_are_the_published_ones(qtok):
     assert qtok.decode(generation_prompt_ids(qtok)) == "<|im_start|>assistant\n"
     for tag in ("<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>"):
         assert encode(qtok, f"a{tag}b")[1] == real[tag]  # one id, even glued to text
-    assert qtok.chat_template == cfg["chat_template"]
+    # The template transformers renders with is the version's published file (its sha256 is
+    # checked against versions.json); for the chat_template.jinja layout it is that file,
+    # not the older template that tokenizer_config.json still carries beside it.
+    assert qtok.chat_template == template_text(version)
+    if VERSIONS[version]["layout"] == "chat_template.jinja":
+        assert qtok.chat_template != cfg["chat_template"]
 
 
 @pytest.mark.parametrize("tools", [None, [SEARCH_TOOL]])
@@ -99,9 +124,10 @@ def test_turn_by_turn_with_parsed_history_matches_rendering(qtok):
     assert b.token_ids == encode(qtok, _upto_last_stop(render(qtok, convo, tools=[SEARCH_TOOL])))
 
 
-def test_parsing_reads_back_the_templates_values(qtok):
-    """Non-string values come back as the template wrote them: Python ``str()`` (True, None,
-    2.5, dict/list reprs). Content around calls is trimmed by the template."""
+def test_parsing_reads_back_the_templates_values(qtok, version):
+    """Non-string values come back as the template wrote them (``WRITTEN``: Python ``str()``
+    for True, None, 2.5; dicts and lists as repr or JSON by version). Content around calls is
+    trimmed by the template."""
     convo = agent_conversation()
     texts = [assistant_generation_text(qtok, m) for m in convo if m["role"] == "assistant"]
     p0, p1, p2, p3 = (parse_assistant(t) for t in texts)
@@ -109,8 +135,7 @@ def test_parsing_reads_back_the_templates_values(qtok):
         {"query": "def count", "lines": "5"}]
     assert p1.content == "" and [c.name for c in p1.tool_calls] == ["edit_file", "run"]
     assert p1.tool_calls[0].arguments == {"path": "src/util.py", "old": "n - 1", "new": "n",
-                                          "flags": "{'dry_run': False, 'count': 1}",
-                                          "ranges": "[[1, 2], [5, 9]]"}
+                                          **WRITTEN[version]}
     assert p1.tool_calls[1].arguments == {"command": "pytest -q", "timeout": "2.5",
                                           "verbose": "True", "env": "None"}
     assert texts[1].startswith("<tool_call>\n<function=edit_file>")  # empty content: no text
@@ -171,12 +196,13 @@ def test_thinking_is_dropped_by_the_template_and_folded_into_content(qtok):
     assert parse_assistant(qtok.decode(r.token_ids[t1.start:t1.end])).thinking == "done"
 
 
-def test_differences_from_the_tiny_template(qtok, tok):
+def test_differences_from_the_tiny_template(qtok, tok, version):
     """What the tiny tokenizer's template renders differently (its module docstring lists why)."""
     m = {"role": "assistant", "content": "",
          "tool_calls": [call("f", flag=True, opts={"a": 1}, none=None)]}
     real, tiny = assistant_generation_text(qtok, m), assistant_generation_text(tok, m)
-    assert "\nTrue\n" in real and "\n{'a': 1}\n" in real and "\nNone\n" in real   # str()
+    opts = "{'a': 1}" if version == "2025-07" else '{"a": 1}'
+    assert "\nTrue\n" in real and f"\n{opts}\n" in real and "\nNone\n" in real   # str()
     assert "\ntrue\n" in tiny and '\n{"a": 1}\n' in tiny and "\nnull\n" in tiny   # JSON
     r = {"role": "assistant", "reasoning_content": "hmm", "content": "x"}
     assert "hmm" not in render(qtok, [{"role": "user", "content": "q"}, r])
@@ -187,3 +213,76 @@ def test_differences_from_the_tiny_template(qtok, tok):
     with_tools = render(qtok, [{"role": "user", "content": "q"}], tools=[SEARCH_TOOL])
     assert with_tools.startswith("<|im_start|>system\nYou are Qwen, a helpful AI assistant")
     assert "<function>\n<name>search</name>" in with_tools
+
+
+# One value of each JSON type (and the string shapes that stress the framing).
+EVERY_TYPE = {"text": "src/a.py", "multiline": "line one\n  line two\n", "unicode": "naïve – ok",
+              "empty": "", "integer": 12, "negative": -3, "number": 2.5, "true": True,
+              "false": False, "null": None, "object": {"k": [1, 2], "flag": False, "s": "x"},
+              "array": [[1, 2], "b", None], "empty_array": []}
+
+
+def _written(value, version: str) -> str:
+    """What ``version`` writes for ``value``: strings as they are, mappings and lists as
+    Python str() (2025-07) or JSON (2025-09: transformers' tojson, ensure_ascii off), every
+    other value with str()."""
+    import json
+
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list)) and version != "2025-07":
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_TYPE))
+def test_every_argument_type_round_trips_through_the_parser(qtok, version, name):
+    """A generated call, parsed by this package's parser, gives the value as the version wrote
+    it; re-rendered from the parse (what the harness puts in the history), it is the same text
+    and the same tokens as the generated turn."""
+    value = EVERY_TYPE[name]
+    m = {"role": "assistant", "content": "Calling.", "tool_calls": [call("f", **{name: value})]}
+    text = assistant_generation_text(qtok, m)
+    parsed = parse_assistant(text)
+    assert parsed.terminated and not parsed.errors, parsed.errors
+    assert [c.name for c in parsed.tool_calls] == ["f"]
+    assert parsed.tool_calls[0].arguments == {name: _written(value, version)}
+    again = {"role": "assistant", "content": parsed.content,
+             "tool_calls": [call(c.name, **c.arguments) for c in parsed.tool_calls]}
+    assert assistant_generation_text(qtok, again) == text
+    assert encode(qtok, assistant_generation_text(qtok, again)) == encode(qtok, text)
+
+
+def test_generation_prompt_is_the_assistant_header(qtok):
+    convo = agent_conversation()[:4]
+    for tools in (None, [SEARCH_TOOL]):
+        plain = render(qtok, convo, tools=tools)
+        prompted = render(qtok, convo, tools=tools, add_generation_prompt=True)
+        assert prompted == plain + "<|im_start|>assistant\n"
+        assert encode(qtok, prompted)[-len(generation_prompt_ids(qtok)):] == \
+            generation_prompt_ids(qtok)
+
+
+NO_DESCRIPTION = {"type": "function", "function": {"name": "ls", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string", "enum": ["a", "b"]}},
+    "required": ["path"]}}}
+NO_PARAMETERS = {"type": "function", "function": {"name": "now", "description": "The time."}}
+
+
+def test_tool_list_rendering_by_version(qtok, version):
+    """Pinned per version (fixtures/qwen3_coder/README.md): the header, how ``required`` and
+    ``enum`` are written, and what happens to a tool without a description or parameters."""
+    q = [{"role": "user", "content": "q"}]
+    listed = render(qtok, q, tools=[SEARCH_TOOL, NO_DESCRIPTION])
+    if version == "2025-07":
+        assert "# Tools" not in listed and "<required>[`query`]</required>" in listed
+        assert "<name>ls</name>\n<description></description>" in listed  # printed empty
+        assert "<enum>[`a`, `b`]</enum>" in listed
+        with pytest.raises(Exception, match="parameters"):  # the first release fails here
+            render(qtok, q, tools=[NO_PARAMETERS])
+    else:
+        assert "\n\n# Tools\n\nYou have access to the following functions:" in listed
+        assert '<required>["query"]</required>' in listed and '<enum>["a", "b"]</enum>' in listed
+        assert "<name>ls</name>\n<parameters>" in listed                   # no description
+        assert "<name>now</name>\n<description>The time.</description>\n<parameters>\n" \
+            "</parameters>" in render(qtok, q, tools=[NO_PARAMETERS])

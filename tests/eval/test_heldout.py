@@ -57,7 +57,7 @@ def test_due_steps_are_zero_every_and_last():
 def test_held_out_tasks_that_are_training_tasks_are_refused():
     t = lambda i: SimpleNamespace(id=i)  # noqa: E731
     assert [x.id for x in disjoint_tasks([t("a"), t("b")], [t("c")], "h.jsonl")] == ["a", "b"]
-    with pytest.raises(ConfigError, match=r"evaluation.tasks: 1 task id\(s\) of h.jsonl .*\['b'\]"):
+    with pytest.raises(ConfigError, match=r"evaluation.tasks \(h.jsonl\): .*1 task id\(s\) are also training .*\['b'\]"):
         disjoint_tasks([t("a"), t("b")], [t("b"), t("c")], "h.jsonl")
 
 

@@ -106,6 +106,11 @@ def test_sft_loss_decreases(sft_run):
     assert losses[0] == pytest.approx(6.93, abs=0.1)  # ln(1024): the random tiny policy
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 1.0
     assert (sft_run.ckpt / "latest").read_text().strip() == "step_00000006"
+    # the policy export and every checkpoint carry the HF config and tokenizer files
+    for d in (sft_run.root / "run" / "model", sft_run.ckpt / "step_00000006"):
+        assert (d / "hf_config" / "config.json").read_bytes() == \
+            (sft_run.policy / "config.json").read_bytes()
+        assert (d / "hf_config" / "tokenizer_config.json").exists()
 
 
 CHECK = r"""
@@ -136,10 +141,16 @@ def test_sft_checkpoint_loads_as_the_rl_policy(sft_run):
 
 
 def test_eval_runs_the_held_out_evaluation_on_the_sft_checkpoint(sft_run):
-    lines = (REPO / "megatron_tg" / "agent" / "data" / "tasks.jsonl").read_text().splitlines()[:2]
+    # Held-out tasks of their own (text and tests): copies of training tasks under new ids
+    # are refused (tests/eval/test_disjoint.py).
+    rows = [{"id": f"heldout-{name}", "instruction": f"Implement {name}(n) in solution.py: {what}.",
+             "files": {"solution.py": f"def {name}(n):\n    raise NotImplementedError\n"},
+             "hidden_files": {"_hidden_test.py": f"from solution import {name}\n\n\n"
+                              f"def test_hidden():\n    assert {name}(3) == {want}\n"},
+             "fail_to_pass": ["_hidden_test.py::test_hidden"]}
+            for name, what, want in (("double", "return 2 * n", 6), ("negate", "return -n", -3))]
     held = sft_run.root / "heldout.jsonl"
-    held.write_text("".join(json.dumps({**json.loads(x), "id": "heldout-" + json.loads(x)["id"]}) + "\n"
-                            for x in lines))
+    held.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = sft_run.root / "eval.json"
     cmd = [sys.executable, "-m", "megatron_tg.cli", "eval", "--recipe", RECIPE, "--checkpoint",
            str(sft_run.ckpt), "--out", str(out), *sft_run.base, f"logging.run_dir={sft_run.root / 'eval'}",
@@ -152,9 +163,17 @@ def test_eval_runs_the_held_out_evaluation_on_the_sft_checkpoint(sft_run):
     assert rec["step"] == 6  # resumed the SFT checkpoint
     assert m["eval/tasks"] == 2 and m["eval/n"] + m["eval/judge_errors"] + m["eval/rollout_errors"] == 4
     assert len(rec["rollouts"]) + len(rec["errors"]) == 4
-    assert {r["task_id"] for r in rec["rollouts"]} <= {"heldout-" + json.loads(x)["id"] for x in lines}
-    for key in ("eval/pass@1", "eval/criteria/tests_pass", "eval/criteria/search_lines"):
+    assert {r["task_id"] for r in rec["rollouts"]} <= {r["id"] for r in rows}
+    # pass@k for k up to the fewest judged samples of a task (2 unless a rollout failed),
+    # each with its task-clustered interval, printed by the command
+    judged = [r["task_id"] for r in rec["rollouts"] if not r["judge_error"]]
+    k_max = min(judged.count(t) for t in set(judged))
+    keys = [f"eval/pass@{k}" for k in range(1, k_max + 1)]
+    assert sorted(k for k in m if k.startswith("eval/pass@") and "_" not in k) == keys
+    for key in (*keys, "eval/criteria/tests_pass", "eval/criteria/search_lines"):
         assert m[f"{key}_lo"] <= m[key] <= m[f"{key}_hi"]
+        assert f'"{key}"' in p.stdout
+    assert m["eval/pass@1"] <= m[keys[-1]]
 
 
 def test_eval_without_held_out_tasks_or_checkpoint_is_an_error(sft_run, tmp_path):

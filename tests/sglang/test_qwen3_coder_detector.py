@@ -1,9 +1,11 @@
-"""Qwen3-Coder's own template against SGLang's own qwen3_coder detector (the deployment parser).
+"""Qwen3-Coder's own templates against SGLang's own qwen3_coder detector (the deployment parser).
 
-The template writes non-string argument values with Python's ``str()``; the detector, given
-the tool's JSON schema, converts them back by the declared type. Rendered turns (multi-call,
-content before calls, every JSON type) must read back to the arguments that were rendered.
-Python 3.12 lane only (sglang 0.5.23 pins torch 2.14.1), like tests/sglang."""
+On every released template version (tests/fixtures/qwen3_coder/versions.json): the template
+writes non-string argument values with Python's ``str()`` (2025-07) or mappings and lists as
+JSON (2025-09); the detector, given the tool's JSON schema, converts them back by the
+declared type. Rendered turns (multi-call, content before calls, every JSON type) must read
+back to the arguments that were rendered. Python 3.12 lane only (sglang 0.5.23 pins torch
+2.14.1), like tests/sglang."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ detector_mod = pytest.importorskip("sglang.srt.function_call.qwen3_coder_detecto
 from megatron_tg.chat.framing import assistant_generation_text, parse_assistant  # noqa: E402
 
 from tests.chat.convos import call  # noqa: E402
-from tests.chat.qwen3_coder import build_qwen3_coder_tokenizer  # noqa: E402
+from tests.chat.qwen3_coder import VERSIONS, build_qwen3_coder_tokenizer  # noqa: E402
 
 EDIT = {"type": "function", "function": {"name": "edit", "description": "Edit a file.", "parameters": {
     "type": "object", "properties": {
@@ -28,12 +30,18 @@ RUN = {"type": "function", "function": {"name": "run", "description": "Run a com
     "type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}}}}}
 
 
+@pytest.fixture(scope="module", params=sorted(VERSIONS))
+def version(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def qtok(tmp_path_factory):
-    return build_qwen3_coder_tokenizer(tmp_path_factory.mktemp("qwen3_coder_tok"))
+def qtok(tmp_path_factory, version):
+    return build_qwen3_coder_tokenizer(tmp_path_factory.mktemp(f"qwen3_coder_{version}"),
+                                       version=version)
 
 
-def test_sglang_reads_the_templates_values_back_by_schema(qtok):
+def test_sglang_reads_the_templates_values_back_by_schema(qtok, version):
     from sglang.srt.entrypoints.openai.protocol import Tool
 
     args = [{"path": "src/a.py", "line": 12, "scale": 2.5, "dry_run": True,
@@ -50,4 +58,26 @@ def test_sglang_reads_the_templates_values_back_by_schema(qtok):
     strict = parse_assistant(text, stop_tokens=())
     assert [c.name for c in strict.tool_calls] == ["edit", "run"] and not strict.errors
     assert strict.tool_calls[0].arguments["dry_run"] == "True"
-    assert strict.tool_calls[0].arguments["opts"] == "{'k': [1, 2], 'flag': False}"
+    assert strict.tool_calls[0].arguments["opts"] == (
+        "{'k': [1, 2], 'flag': False}" if version == "2025-07" else '{"k": [1, 2], "flag": false}')
+
+
+# (schema type, value): every JSON type the detector converts by schema. A null is read back
+# where the schema lets literal_eval run (object/array); "None" stays a string for a string.
+TYPED = {"s": ("string", "line one\n  line two"), "u": ("string", "naïve – ok"),
+         "i": ("integer", -3), "n": ("number", 2.5), "t": ("boolean", True),
+         "f": ("boolean", False), "o": ("object", {"k": [1, 2], "flag": False, "x": None}),
+         "a": ("array", [[1, 2], "b", None]), "e": ("array", []), "z": ("object", None)}
+
+
+@pytest.mark.parametrize("name", sorted(TYPED))
+def test_every_argument_type_round_trips_through_sglang(qtok, name):
+    from sglang.srt.entrypoints.openai.protocol import Tool
+
+    kind, value = TYPED[name]
+    tool = Tool(type="function", function={"name": "f", "description": "d", "parameters": {
+        "type": "object", "properties": {name: {"type": kind}}}})
+    m = {"role": "assistant", "content": "", "tool_calls": [call("f", **{name: value})]}
+    text = assistant_generation_text(qtok, m).removesuffix("<|im_end|>")
+    res = detector_mod.Qwen3CoderDetector().detect_and_parse(text, [tool])
+    assert [(c.name, json.loads(c.parameters)) for c in res.calls] == [("f", {name: value})]
