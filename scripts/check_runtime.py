@@ -9,7 +9,7 @@ the venv that ``bash scripts/demo.sh`` built, before and after the quick demo).
    package; a module that needs one at import time is a failure); ``__main__`` modules are
    entry points, run by check 3 instead.
 3. ``megatron-tg --help`` and every subcommand's ``--help`` (and ``convert``'s two verbs)
-   exit 0 and print a usage line; so does every ``python -m megatron_tg.…`` entry point that
+   exit 0 and print a usage line; so does every documented ``python -m`` entry point of the package that
    the README, docs, scripts, Slurm files, recipes or docstrings name.
 4. Grading works: a built-in task graded with its reference solution passes, and the
    untouched starting files fail (needs bubblewrap: ``bash scripts/system_deps.sh --runtime``).
@@ -82,7 +82,7 @@ ENTRY_POINT_VERBS = {"megatron_tg.agent.remote": ["serve"]}
 
 
 def documented_entry_points(root: Path) -> list[str]:
-    """Every ``python -m megatron_tg.X`` that the README, docs, scripts, Slurm files, recipes,
+    """Every ``python -m`` module of the package that the README, docs, scripts, Slurm files, recipes,
     tools or docstrings name: each must still run (a move of a module takes its callers)."""
     found: set[str] = set()
     files = [root / "README.md", *root.glob("docs/*.md")]
