@@ -209,7 +209,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             for p in write_key_dir(a.dir):
                 print(p)  # the paths only: the key is never printed
             return 0
-        redact_stream(read_key(a.key_file), sys.stdin.buffer, sys.stdout.buffer)
+        key = read_key(a.key_file)
+        import signal
+
+        # The server beside this filter is the one Slurm's signals are for: keep copying its
+        # output until it closes it (EOF), so its last lines are logged.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        redact_stream(key, sys.stdin.buffer, sys.stdout.buffer)
     except SecretError as exc:
         print(f"megatron_tg.auth: {exc}", file=sys.stderr)
         return 2
