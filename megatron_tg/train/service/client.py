@@ -141,6 +141,9 @@ class RolloutServiceClient:
             if status == 200 and isinstance(reply, dict) and reply.get("status") == "done":
                 return reply.get("result")
             err = reply.get("error", {}) if isinstance(reply, dict) else {}
+            if not isinstance(err, dict):  # the key check's {"error": "Unauthorized"} (401)
+                err = {"type": str(err), "message": "this client's API key was refused or missing "
+                       "(rollout.api_key_file: the service's key)" if status == 401 else str(err)}
             raise RolloutServiceError(f"rollout service {self.url}: {method} failed (HTTP {status}): "
                                       f"{err.get('type', '?')}: {err.get('message', reply)}")
 

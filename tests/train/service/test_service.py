@@ -113,6 +113,10 @@ def test_loads_state_and_refuses_a_config_that_differs(engine, tmp_path):
         with pytest.raises(RolloutServiceError, match="load_state_dict before start"):
             client.load_state_dict(state)  # the manager has started: a clear refusal
         other = _cfg(engine, tmp_path, "rollout.group_size=4", "rollout.max_inflight_rollouts=8")
+        with pytest.raises(RolloutServiceError, match=r"HTTP 401\): Unauthorized: this client's API key was "
+                                                      r"refused or missing \(rollout.api_key_file"):
+            RolloutServiceClient(client.url, other)  # the key is checked before anything else
+        other.rollout.api_key_file = cfg.rollout.api_key_file
         with pytest.raises(RolloutServiceError, match=r"rollout.group_size: service 2, trainer 4"):
             RolloutServiceClient(client.url, other)
     finally:
