@@ -34,7 +34,7 @@ TG_BASE_OVERRIDES=()  # the wrapper's own overrides (tg_tiny.sh: CPU), set after
 
 # The plan, as megatron_tg.launch.plan --format env writes it to $TG_JOB_DIR/plan.env.
 # Parallel arrays: TG_STEP_*[i] is srun step i, TG_SERVER_*[j] HTTP server j.
-TG_ACCEL="" TG_MASTER_ADDR="" TG_MASTER_PORT="" TG_SYNC_MASTER="" TG_ROUTER_URL="" TG_JUDGE_URL=""
+TG_ACCEL="" TG_MASTER_ADDR="" TG_MASTER_PORT="" TG_SYNC_MASTER="" TG_ROUTER_URL="" TG_JUDGE_URL="" TG_KEY_FILE=""
 TG_TRAIN_ARGS=() TG_BLOCKERS=()
 TG_STEP_NAME=() TG_STEP_ROLE=() TG_STEP_NODELIST=() TG_STEP_NNODES=() TG_STEP_NTASKS=()
 TG_STEP_TASKS_PER_NODE=() TG_STEP_GPUS_PER_TASK=() TG_STEP_GPUS_PER_NODE=() TG_STEP_OVERLAP=()
@@ -315,6 +315,17 @@ tg_requeue() {
 
 # ------------------------------------------------------------------ the batch job
 
+# The job's API key (docs/security.md): fresh on every start, requeues included, in a 0700
+# directory of the job dir; the plan passes its path (TG_KEY_FILE) to every server and client.
+# Only the path is ever printed or put on a command line.
+tg_make_key() {
+  [ -n "${TG_KEY_FILE:-}" ] || tg_die "the plan names no API key file (TG_KEY_FILE)"
+  "$PYTHON" -m megatron_tg.auth new "$(dirname "$TG_KEY_FILE")" >/dev/null \
+    || tg_die "cannot write the job's API key to $(dirname "$TG_KEY_FILE")"
+  export TG_API_KEY_FILE="$TG_KEY_FILE"  # for the job's tools (preflight probes, launch.health)
+  tg_log "API key: $TG_KEY_FILE (new for this run; every server of the job requires it)"
+}
+
 tg_run_job() {
   JOB_DIR="${JOB_DIR:-runs/slurm/${SLURM_JOB_NAME:-tg}-$SLURM_JOB_ID}"
   mkdir -p "$JOB_DIR/logs"
@@ -342,6 +353,7 @@ tg_run_job() {
     printf '  %s\n' "${TG_BLOCKERS[@]}" >&2
     tg_die "cannot start: ${#TG_BLOCKERS[@]} blocker(s) above"
   fi
+  tg_make_key
 
   trap tg_teardown EXIT
   trap 'tg_on_signal USR1' USR1

@@ -118,6 +118,7 @@ pf_job() {
   # shellcheck source=/dev/null
   source "$TG_JOB_DIR/plan.env"
   if [ "${#TG_BLOCKERS[@]}" -gt 0 ]; then pf_stop plan "${TG_BLOCKERS[*]}"; fi
+  tg_make_key
   pf_row plan PASS "${reduce[*]}"
 
   tg_start_servers engine

@@ -9,7 +9,8 @@
 #                            plus the plan's TG_ENGINE_ARGS (--enable-deterministic-inference
 #                            when rollout.sampling_seed is set)
 #           ENGINE=embedded: ${ENGINE_CMD:-$PYTHON -m megatron_tg.rollout.engine} --model M ...
-#   router  ${ROUTER_CMD:-$PYTHON -m sglang_router.launch_router} --worker-urls URL... ...
+#   router  ${ROUTER_CMD:-$PYTHON -m megatron_tg.launch.router} --worker-urls URL... ...
+#           (sglang_router.launch_router run in-process, its --api-key read from a file)
 #   judge   ${JUDGE_CMD:-$PYTHON -m sglang.launch_server} --model-path M --served-model-name N ...
 #   rollout_service  ${SERVICE_CMD:-$PYTHON -m megatron_tg.train.service} --recipe R [k=v ...]
 #           (the trainer's arguments, TG_SERVICE_ARGS: docs/rollout-service.md)
@@ -20,7 +21,7 @@ set -euo pipefail
 # Filled by the plan; declared here so a missing entry fails loudly under set -u.
 TG_STEP_FIRST=() TG_SERVER_NAME=() TG_SERVER_ROLE=() TG_SERVER_PORT=() TG_SERVER_GPUS=()
 TG_SERVER_LOG=() TG_SERVER_DIST=() TG_SERVER_NNODES=() TG_ENGINE_URLS=() TG_ENGINE_ARGS=()
-TG_SERVICE_ARGS=() TG_ENGINE="" TG_ENGINE_MODEL="" TG_JUDGE_MODEL="" TG_JUDGE_NAME=""
+TG_SERVICE_ARGS=() TG_ENGINE="" TG_ENGINE_MODEL="" TG_JUDGE_MODEL="" TG_JUDGE_NAME="" TG_KEY_FILE="" TG_SGLANG_AUTH=""
 # shellcheck source=/dev/null
 source "$TG_JOB_DIR/plan.env"
 
@@ -52,7 +53,7 @@ case "${TG_SERVER_ROLE[i]}" in
     read -r -a extra <<<"${ENGINE_ARGS:-}"
     ;;
   router)
-    read -r -a cmd <<<"${ROUTER_CMD:-$py -m sglang_router.launch_router}"
+    read -r -a cmd <<<"${ROUTER_CMD:-$py -m megatron_tg.launch.router}"
     args=(--worker-urls "${TG_ENGINE_URLS[@]}")
     read -r -a extra <<<"${ROUTER_ARGS:-}"
     ;;
@@ -72,9 +73,32 @@ case "${TG_SERVER_ROLE[i]}" in
     exit 2
     ;;
 esac
+# The job's API key (docs/security.md), by file name only: SGLang reads it from its --config
+# YAML, the embedded engine and the router from the key file (megatron_tg.launch.router
+# hands it to sglang-router in-process), the rollout service from rollout.api_key_file.
+redact=0
+if [ -n "$TG_KEY_FILE" ]; then
+  [ -f "$TG_KEY_FILE" ] || { echo "task.sh: the job's API key $TG_KEY_FILE is missing (slurm/lib.sh makes it)" >&2; exit 2; }
+  case "${TG_SERVER_ROLE[i]}" in
+    engine) if [ "$TG_ENGINE" = sglang ]; then args+=(--config "$TG_SGLANG_AUTH"); redact=1
+            else args+=(--api-key-file "$TG_KEY_FILE"); fi ;;
+    judge) args+=(--config "$TG_SGLANG_AUTH"); redact=1 ;;
+    router) args+=(--api-key-file "$TG_KEY_FILE") ;;
+  esac
+fi
 args+=(--host 0.0.0.0 --port "$port")
 
 echo "[task.sh $(date '+%F %T')] ${TG_SERVER_NAME[i]} node rank $rank on ${SLURMD_NODENAME:-$(hostname)}," \
   "restart ${SLURM_RESTART_COUNT:-0}, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>}"
 echo "+ ${cmd[*]} ${args[*]} ${extra[*]}"
+if [ "$redact" = 1 ]; then
+  # SGLang logs its server_args, api_key included: its output reaches the log through a
+  # filter that replaces the key. Signals reach the server from Slurm directly; this shell
+  # only waits (a trap, not an ignore, so the server keeps default handlers), and the filter
+  # drains to EOF, so the server's last lines are logged. Exit status: the server's.
+  trap 'true' TERM INT USR1
+  set +e
+  "${cmd[@]}" "${args[@]}" "${extra[@]}" 2>&1 | "$py" -m megatron_tg.auth redact --key-file "$TG_KEY_FILE"
+  exit "${PIPESTATUS[0]}"
+fi
 exec "${cmd[@]}" "${args[@]}" "${extra[@]}"

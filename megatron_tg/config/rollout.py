@@ -141,6 +141,13 @@ class RolloutConfig:
     """File holding the shared secret the remote environment worker requires (sent as a
     bearer token); required with ``sandbox_url``."""
 
+    api_key_file: Optional[str] = None
+    """File (mode 0600) holding the job's API key (``python -m megatron_tg.auth new DIR``;
+    the Slurm scripts make one per job): the rollout service, the engines and the router
+    require it, and this side sends it (docs/security.md). None: ``$TG_API_KEY_FILE`` if set;
+    else engines this process starts get a fresh key of their own, and servers given by URL
+    are called without one. Only the path is ever logged or saved, never the key."""
+
     repos_root: Optional[str] = None
     """Directory holding the local git mirrors (or source trees) that task rows name in
     ``repo``; a row whose repo resolves outside it is refused. None = the task file's own
@@ -290,6 +297,10 @@ class JudgeConfig:
 
     model: Optional[str] = None
     """Model name sent to ``endpoint``; required when ``endpoint`` is set."""
+
+    api_key_file: Optional[str] = None
+    """File (mode 0600) holding the judge server's API key, sent as a bearer token (the Slurm
+    scripts set it to the job's key when they serve the judge). None: no key."""
 
     timeout_s: float = 120.0
     """Seconds before a judge request is abandoned and retried."""

@@ -61,6 +61,8 @@ class LLMJudgeConfig:
     model: str = "judge"
     api_key_env: str | None = None
     """Name of the environment variable holding the API key (keys never go in config files)."""
+    api_key_file: str | None = None
+    """Or a file (mode 0600) holding it, e.g. the job's key (megatron_tg.auth)."""
     timeout_s: float = 120.0
     max_attempts: int = 4
     backoff_s: float = 1.0
@@ -242,6 +244,16 @@ class LLMJudgeClient:
 
     def _headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
+        if self.config.api_key_file:
+            from megatron_tg.auth import SecretError, read_key
+
+            if getattr(self, "_file_key", None) is None:  # read once, at construction
+                try:
+                    self._file_key = read_key(self.config.api_key_file)
+                except SecretError as exc:
+                    raise LLMJudgeError(f"judge API key: {exc}", kind="config") from None
+            h["Authorization"] = f"Bearer {self._file_key}"
+            return h
         env = self.config.api_key_env
         if env:
             key = os.environ.get(env)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_tg.auth import KEY_NAME, SGLANG_CONFIG_NAME
 from megatron_tg.config import ConfigError, RolloutConfig, TGConfig, load_config
 from megatron_tg.launch.render import RENDERERS
 from megatron_tg.launch.spec import (  # noqa: F401 (the planner's API, re-exported)
@@ -102,6 +103,13 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
     sync_master = master_addr if engine_urls else ""
     train_args = _trainer_args(recipe, overrides, z, knobs, engine_urls, judge_url, judge_name,
                                sync_master, router_url)
+    # The job's key (made by slurm/lib.sh at job start, megatron_tg.auth): every server of the
+    # job requires it and the trainer and service read it, by path only (docs/security.md).
+    secret = f"{knobs.job_dir.rstrip('/')}/secret"
+    key_file, sglang_auth = f"{secret}/{KEY_NAME}", f"{secret}/{SGLANG_CONFIG_NAME}"
+    train_args.append(f"rollout.api_key_file={key_file}")
+    if z.start_judge:
+        train_args.append(f"judge.api_key_file={key_file}")
     service_url, service_args = _place_service(cfg, knobs, by_role, addr_of, servers, steps, train_args,
                                                notes)
     _add_step(steps, servers, knobs, "tg-train", "train", train_hosts, z.gpn,
@@ -120,7 +128,7 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         judge_model=judge_model if z.start_judge else "",
         judge_name=judge_name if judge_url else "", judge_url=judge_url, router_url=router_url,
         service_url=service_url, service_args=service_args, servers=servers, steps=steps,
-        train_args=train_args, notes=notes, blockers=blockers,
+        train_args=train_args, notes=notes, blockers=blockers, key_file=key_file, sglang_auth=sglang_auth,
         timeouts=cfg.timeouts.table(cfg), checkpoint=z.checkpoint)
 
 

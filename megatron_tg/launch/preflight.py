@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from megatron_tg.auth import resolve_key
 from megatron_tg.config import ConfigError, load_config
 
 STATES = ("PASS", "FAIL", "SKIP")
@@ -83,7 +84,7 @@ async def _probe(urls: Sequence[str], seeded: bool = False) -> list[tuple[str, s
     from megatron_tg.rollout.client import SGLangClient, SGLangClientError
 
     rows = []
-    async with SGLangClient(list(urls), max_retries=1, timeout_s=300) as client:
+    async with SGLangClient(list(urls), max_retries=1, timeout_s=300, api_key=resolve_key(None)) as client:
         try:
             info = await client.get_model_info(strict=True)
             versions = {u: i.get("weight_version") for u, i in info.items()}
@@ -107,7 +108,7 @@ async def _probe(urls: Sequence[str], seeded: bool = False) -> list[tuple[str, s
         # The same seed twice on each engine: SGLang repeats only in deterministic inference.
         name, differ = "seeded sampling repeats", []
         for url in urls:
-            async with SGLangClient([url], max_retries=1, timeout_s=300) as one:
+            async with SGLangClient([url], max_retries=1, timeout_s=300, api_key=resolve_key(None)) as one:
                 a, b = [await one.generate(PROBE_PROMPT, {"temperature": 1.0, "max_new_tokens": 16,
                                                           "sampling_seed": 1234}) for _ in range(2)]
             if a.output_ids != b.output_ids:
@@ -140,7 +141,7 @@ async def _probe(urls: Sequence[str], seeded: bool = False) -> list[tuple[str, s
 async def _weight_versions(urls: Sequence[str]) -> dict[str, str]:
     from megatron_tg.rollout.client import SGLangClient
 
-    async with SGLangClient(list(urls)) as client:
+    async with SGLangClient(list(urls), api_key=resolve_key(None)) as client:
         return {u: str(i.get("weight_version")) for u, i in (await client.get_model_info()).items()}
 
 

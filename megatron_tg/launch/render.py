@@ -43,6 +43,9 @@ def render_text(plan: Plan) -> str:
         host = next(s.hosts[0] for s in plan.servers if s.role == "rollout_service")
         out.append(f"rollout service: {plan.service_url} on {host} (its own process; the trainer "
                    "pulls batches from it)")
+    if plan.key_file:
+        out.append(f"auth: every server requires the job's API key, file {plan.key_file} (made at job "
+                   "start, mode 0600; passed by file name, never printed)")
     if plan.servers:
         out.append("servers:")
         for s in plan.servers:
@@ -96,7 +99,8 @@ def render_env(plan: Plan) -> str:
         ("TG_JUDGE_URL", plan.judge_url), ("TG_JUDGE_NAME", plan.judge_name),
         ("TG_JUDGE_MODEL", plan.judge_model), ("TG_ENGINE", plan.engine),
         ("TG_ENGINE_MODEL", plan.engine_model), ("TG_SERVICE_URL", plan.service_url),
-        ("TG_USR1_LEAD", plan.checkpoint.get("usr1_lead_s", "")))]
+        ("TG_USR1_LEAD", plan.checkpoint.get("usr1_lead_s", "")),
+        ("TG_KEY_FILE", plan.key_file), ("TG_SGLANG_AUTH", plan.sglang_auth))]
     lines.append(array("TG_TRAIN_HOSTS", plan.roles["train"]))
     lines.append(array("TG_ROLLOUT_HOSTS", plan.roles["rollout"]))
     lines.append(array("TG_JUDGE_HOSTS", plan.roles["judge"]))

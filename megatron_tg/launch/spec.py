@@ -150,6 +150,11 @@ class Plan:
     checkpoint: dict = field(default_factory=dict)
     """Checkpoint size, expected save and step time and the USR1 lead time they need
     (``timeplan.checkpoint_plan``); empty for CPU plans."""
+    key_file: str = ""
+    """The job's API key file (``JOB_DIR/secret/api_key``, written at job start, mode 0600):
+    every server requires its key; only this path appears in arguments and logs."""
+    sglang_auth: str = ""
+    """The same key as SGLang's ``--config`` YAML (``api-key: ...``), for SGLang servers."""
 
     @property
     def nodes(self) -> int:

@@ -76,6 +76,13 @@ class _RetryableHTTP(Exception):
     pass
 
 
+def _auth_hint(status: int, sent_key: bool) -> str:
+    if status not in (401, 403):
+        return ""
+    return (" (the server refused this client's API key: is it the job's key, rollout.api_key_file?)"
+            if sent_key else " (the server requires an API key: set rollout.api_key_file)")
+
+
 @dataclass
 class GenerateResult:
     rid: str  # the logical request id (the server saw f"{rid}@{attempt}")
@@ -143,6 +150,7 @@ class SGLangClient(WeightUpdateCalls):
         admin_timeout_s: float = 1800.0,
         admin_urls: Sequence[str] | None = None,
         health_timeout_s: float | None = None,
+        api_key: str | None = None,
     ):
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
@@ -162,6 +170,9 @@ class SGLangClient(WeightUpdateCalls):
         self.admin_timeout_s = admin_timeout_s
         self.health_timeout_s = health_timeout_s or max(2.0, connect_timeout_s)  # one probe
         self.stats = ClientStats()
+        # SGLang's --api-key (the job's key, megatron_tg.auth): sent on every request, to
+        # the engines and to the router alike. Kept off repr and logs.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.expected_weight_version: str | None = None
         self._engine_infos: dict = {}  # url -> EngineInfo, read once (weight_client)
         self._rr = itertools.count()
@@ -193,7 +204,7 @@ class SGLangClient(WeightUpdateCalls):
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # limit=0: rollouts keep thousands of long requests open at once.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self._headers)
         return self._session
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -429,7 +440,8 @@ class SGLangClient(WeightUpdateCalls):
                     raise _RetryableHTTP(f"HTTP {r.status}: {body[:500]}")
                 if r.status >= 400:
                     raise SGLangRequestError(
-                        f"server {s.url} rejected request {rid} (attempt rid {srid}): HTTP {r.status}: {body[:1000]}", rid
+                        f"server {s.url} rejected request {rid} (attempt rid {srid}): HTTP {r.status}: "
+                        f"{body[:1000]}{_auth_hint(r.status, bool(self._headers))}", rid
                     )
                 data = _loads(body)
         except asyncio.TimeoutError as exc:
@@ -524,7 +536,8 @@ class SGLangClient(WeightUpdateCalls):
             text = await r.text()
             if r.status >= 400:
                 hint = (" (not served there; an sglang-router answers 404 to admin calls: send them to its "
-                        "workers, admin_urls / rollout.server_urls)" if r.status == 404 else "")
+                        "workers, admin_urls / rollout.server_urls)" if r.status == 404
+                        else _auth_hint(r.status, bool(self._headers)))
                 raise SGLangClientError(f"{method} {url}{path} -> HTTP {r.status}: {text[:1000]}{hint}")
             try:
                 return _loads(text) if text else None

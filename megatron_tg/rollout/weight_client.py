@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from urllib.parse import urlparse
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -159,8 +160,9 @@ class WeightUpdateCalls:
                              "rank_offset": off, "world_size": world, "group_name": group_name,
                              "backend": backend})
                  for u, off in zip(urls, offsets)]
+        # The store admits the engines' hosts only (store_gate.py: TCPStore has no authentication).
         mine = asyncio.to_thread(init_weight_update_group, master_address, master_port, 0, world,
-                                 group_name, backend, timeout_s)
+                                 group_name, backend, timeout_s, [urlparse(u).hostname for u in urls])
         results = await asyncio.gather(mine, *posts, return_exceptions=True)
         errors = [(u, r) for u, r in zip(["<trainer>"] + urls, results) if isinstance(r, BaseException)]
         if errors:

@@ -37,7 +37,8 @@ def default_rollout_side(trainer):
                                             timeout_s=j.timeout_s, max_attempts=j.max_retries + 1,
                                             max_concurrency=j.max_concurrency,
                                             max_transcript_chars=j.max_transcript_chars,
-                                            overflow_retries=j.overflow_retries))
+                                            overflow_retries=j.overflow_retries,
+                                            api_key_file=j.api_key_file))
     tasks = load_tasks(cfg.rollout.tasks, repos_root=cfg.rollout.repos_root) if cfg.rollout.tasks else builtin_tasks()
     harness = AgentHarness(trainer.tokenizer, cfg.rollout)
     side = RolloutSide(cfg, trainer.tokenizer, harness, tasks, rubric,

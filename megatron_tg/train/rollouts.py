@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import statistics
 import threading
@@ -35,6 +36,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
+from megatron_tg.auth import KEY_FILE_ENV, read_key, write_key_dir
 from megatron_tg.config.schema import TGConfig
 from megatron_tg.judge import Judge
 from megatron_tg.judge.rubric import Rubric, primary_criteria
@@ -203,15 +205,18 @@ class RolloutSide:
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollouts", daemon=True)
         self._thread.start()
         self.engines = []
+        key_file = cfg.rollout.api_key_file or os.environ.get(KEY_FILE_ENV) or None
         if cfg.rollout.engine == "embedded":
             from megatron_tg.rollout.engine.launch import start_engines
 
             if engine_model_dir is None:
                 raise ValueError("the embedded engine needs an HF model directory to serve")
+            if key_file is None:  # engines of our own, on a port anyone on this host can reach
+                key_file = str(write_key_dir(Path(log_dir) / "engines" / "secret")[0])
             self.engines = start_engines([Path(engine_model_dir)] * cfg.rollout.num_engines,
                                          Path(log_dir) / "engines",
                                          extra_args=["--enable-return-routed-experts"]
-                                         if routing_spec(cfg) else [])
+                                         if routing_spec(cfg) else [], api_key_file=key_file)
             urls = [e.url for e in self.engines]
         else:
             urls = list(cfg.rollout.server_urls)
@@ -220,7 +225,8 @@ class RolloutSide:
         r, t = cfg.rollout, cfg.timeouts
         limits = dict(timeout_s=r.request_timeout_s, max_retries=r.max_retries,
                       admin_timeout_s=t.http_admin_s, connect_timeout_s=t.http_connect_s,
-                      probe_interval_s=t.health_interval_s, health_timeout_s=t.health_s)
+                      probe_interval_s=t.health_interval_s, health_timeout_s=t.health_s,
+                      api_key=read_key(key_file) if key_file else None)
         # Generation via the router (when there is one); admin calls to every engine directly.
         self.client = (SGLangClient([r.router_url], admin_urls=urls, **limits) if r.router_url
                        else SGLangClient(urls, **limits))

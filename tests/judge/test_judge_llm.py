@@ -44,8 +44,9 @@ def verdicts(**overrides) -> str:
 class FakeJudge:
     """Serves scripted replies in order (the last one repeats); records every request."""
 
-    def __init__(self, *replies):
+    def __init__(self, *replies, api_key=None):
         self.replies = list(replies)
+        self.api_key = api_key  # require it as an SGLang judge started with --api-key does
         self.requests: list[dict] = []
         self.headers: list[dict] = []
 
@@ -64,7 +65,9 @@ class FakeJudge:
         return web.json_response(completion(payload))  # kind == "content"
 
     async def __aenter__(self) -> str:
-        app = web.Application()
+        from megatron_tg.auth import aiohttp_middleware
+
+        app = web.Application(middlewares=[aiohttp_middleware(self.api_key)] if self.api_key else [])
         app.router.add_post("/v1/chat/completions", self.handle)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
@@ -223,6 +226,24 @@ def test_api_key_from_env(monkeypatch):
     monkeypatch.delenv("TEST_JUDGE_KEY")
     with pytest.raises(LLMJudgeError, match="TEST_JUDGE_KEY"):  # a config error: fail fast
         LLMJudgeClient(LLMJudgeConfig(api_key_env="TEST_JUDGE_KEY"))
+
+
+def test_a_keyed_judge_server_takes_the_jobs_key_file(tmp_path):
+    import os
+
+    from megatron_tg.auth import read_key, write_key_dir
+
+    key_file, _ = write_key_dir(tmp_path / "secret")
+    key = read_key(key_file)
+    srv = FakeJudge(("content", verdicts()), api_key=key)
+    assert judge_with(srv, api_key_file=str(key_file)).trainable
+    assert srv.headers[0]["Authorization"] == f"Bearer {key}"
+    refused = FakeJudge(("content", verdicts()), api_key=key)
+    res = judge_with(refused)  # no key: 401 before the handler, not retried, not trainable
+    assert not res.trainable and "HTTP 401" in res.judge_error and refused.requests == []
+    os.chmod(key_file, 0o644)
+    with pytest.raises(LLMJudgeError, match="readable by group or others"):  # a config error: fail fast
+        LLMJudgeClient(LLMJudgeConfig(api_key_file=str(key_file)))
 
 
 def test_judge_many_preserves_order_and_bounds_concurrency():

@@ -1,6 +1,7 @@
 """SGLangClient through the real sglang-router (PyPI ``sglang-router==0.3.2``, a CPU binary)
 in front of two embedded engines: generation, abort of an in-flight request, health while
-paused, and a worker killed and restarted on its port.
+paused, and a worker killed and restarted on its port; and the same with the job's API key
+on the router and both engines (started the way slurm/task.sh starts them).
 
 The router forwards ``/generate`` and keeps ``rid``, but answers 404 to the abort and admin
 endpoints (asserted below, so a router release that changes this shows up here); the
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tg.rollout.client import SGLangClient, SGLangClientError
+from megatron_tg.auth import read_key, write_key_dir
+from megatron_tg.rollout.client import SGLangClient, SGLangClientError, SGLangRequestError
 from megatron_tg.testing.distributed import free_port
 
 pytest.importorskip("sglang_router", reason="the test extra installs sglang-router==0.3.2")
@@ -89,7 +91,9 @@ def cluster(model_plain, tmp_path_factory, http_call):
                    "--host", "127.0.0.1", "--port", str(rport), "--policy", "round_robin",
                    "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                    "--health-success-threshold", "1", "--health-check-timeout-secs", "10",
-                   "--worker-startup-timeout-secs", "120", "--log-level", "warn"],
+                   "--worker-startup-timeout-secs", "120", "--log-level", "warn",
+                   # its metrics port (default 29000) would collide with any other router here
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
                   rport, logs / "router.log", env)
     try:
         for w in workers:
@@ -250,3 +254,111 @@ def test_worker_killed_and_restarted(cluster, http_call):
     assert all(len(r.output_ids) == 3 for r in up)
     # the restarted engine serves again: round robin gave it part of the burst
     assert http_call(victim.url, "/server_info")[1]["internal_states"][0]["decode_steps"] > 0
+
+
+# ---- with the job's API key ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def keyed_cluster(model_plain, tmp_path_factory, http_call):
+    """Two embedded engines given the key by SGLang's --config YAML, behind the real router
+    given it by file (megatron_tg.launch.router): what slurm/task.sh starts."""
+    d = tmp_path_factory.mktemp("router_auth")
+    key_file, sglang_yaml = write_key_dir(d / "secret")
+    env = dict(os.environ, OMP_NUM_THREADS="1", ENGINE_LOG_LEVEL="INFO")
+    workers = []
+    for i in range(2):
+        port = free_port()
+        workers.append(Proc([sys.executable, "-m", "megatron_tg.rollout.engine", "--model", str(model_plain),
+                             "--config", str(sglang_yaml), "--port", str(port), "--host", "127.0.0.1",
+                             "--threads", "1"], port, d / f"engine{i}.log", env).start())
+    rport = free_port()
+    router = Proc([sys.executable, "-m", "megatron_tg.launch.router", "--api-key-file", str(key_file),
+                   "--worker-urls", *[w.url for w in workers], "--host", "127.0.0.1", "--port", str(rport),
+                   "--policy", "round_robin", "--health-check-interval-secs", "1",
+                   "--worker-startup-timeout-secs", "120", "--log-level", "info",
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                  rport, d / "router.log", env)
+    try:
+        for w in workers:
+            w.wait_up(http_call, timeout_s=300)  # /health: open without the key
+        router.start().wait_up(http_call, "/health", timeout_s=300)
+        key = read_key(key_file)
+        deadline = time.monotonic() + 120
+        while True:
+            listed = keyed_get(router.url, "/workers", key)[1].get("workers", [])
+            if len(listed) == 2 and all(w["is_healthy"] for w in listed):
+                break
+            assert time.monotonic() < deadline, f"router lists {listed}:\n{router.log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        yield router, workers, key
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
+
+
+def keyed_get(url, path, key=None, body=None):
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            data = r.read()
+            return r.status, json.loads(data) if data.startswith((b"{", b"[")) else data
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_keyed_router_refuses_callers_without_the_key(keyed_cluster):
+    router, workers, key = keyed_cluster
+    gen = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+    for sent in (None, "x" * 43):
+        assert keyed_get(router.url, "/generate", sent, gen)[0] == 401  # the router's own check
+        assert keyed_get(router.url, "/workers", sent)[0] == 401
+        for w in workers:
+            assert keyed_get(w.url, "/generate", sent, gen) == (401, b'{"error": "Unauthorized"}')
+    # Forwarded requests the router itself does not check reach a worker that does.
+    assert keyed_get(router.url, "/get_model_info")[0] == 401
+    assert keyed_get(router.url, "/health")[0] == 200  # probes stay open
+    code, out = keyed_get(router.url, "/generate", key, gen)
+    assert code == 200 and len(out["output_ids"]) == 2
+
+
+def test_keyed_router_serves_the_client_and_its_aborts(keyed_cluster, http_call):
+    router, workers, key = keyed_cluster
+
+    async def main():
+        async with SGLangClient([router.url], admin_urls=[w.url for w in workers], api_key=key,
+                                backoff_s=0.1) as c:
+            rs = await asyncio.gather(*(c.generate(PROMPT, {"temperature": 0, "max_new_tokens": 3}, rid=f"k{i}")
+                                        for i in range(2)))
+            task = asyncio.ensure_future(c.generate(PROMPT, {"max_new_tokens": 5000, "ignore_eos": True}, rid="klong"))
+            t0 = time.monotonic()
+            while not any(keyed_get(w.url, "/server_info", key)[1]["internal_states"][0]["num_running"]
+                          for w in workers) and time.monotonic() - t0 < 30:
+                await asyncio.sleep(0.05)
+            await c.abort("klong")  # via the router's /workers list and the workers, keyed
+            result = await asyncio.wait_for(task, 30)
+            return rs, result, c.stats
+
+    rs, result, stats = asyncio.run(main())
+    assert [r.meta_info["id"] for r in rs] == ["k0@0", "k1@0"] and all(len(r.output_ids) == 3 for r in rs)
+    assert result.finish_type == "abort" and stats.abort_failures == 0
+
+    async def keyless():
+        async with SGLangClient([router.url], admin_urls=[w.url for w in workers], max_retries=0) as c:
+            await c.generate(PROMPT, {"max_new_tokens": 1})
+
+    with pytest.raises(SGLangRequestError, match="HTTP 401"):
+        asyncio.run(keyless())
+
+
+def test_keyed_router_and_engines_keep_the_key_off_argv_and_logs(keyed_cluster):
+    router, workers, key = keyed_cluster
+    for p in (router, *workers):
+        with open(f"/proc/{p.proc.pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read()
+        assert key not in p.log.read_text(errors="replace")

@@ -160,7 +160,18 @@ def test_gpu_path_of_tg_30b_on_fake_gpus(slurm_cluster, tiny_job, tmp_path):
     argv = ranks[0]["argv"]
     assert f"judge.endpoint=http://127.0.0.1:{judge['port']}" in argv and "judge.model=fake-judge" in argv
     assert ranks[0]["TG_ROUTER_URL"] == f"http://127.0.0.1:{router['port']}"
-    assert stopped(tmp_path) == set(recs)
+    assert stopped(tmp_path) == set(recs)  # the redacting pipe of the SGLang servers let TERM through
+    # The job's key: SGLang servers get its --config YAML, the router the key file, the trainer
+    # rollout.api_key_file and judge.api_key_file; the key itself is in no argv and no log.
+    secret = tmp_path / "job" / "secret"
+    key = (secret / "api_key").read_text().strip()
+    assert (secret / "api_key").stat().st_mode & 0o777 == 0o600 and secret.stat().st_mode & 0o777 == 0o700
+    for r in (*engines, judge):
+        assert r["argv"][r["argv"].index("--config") + 1] == str(secret / "sglang_auth.yaml")
+    assert router["argv"][router["argv"].index("--api-key-file") + 1] == str(secret / "api_key")
+    assert {f"rollout.api_key_file={secret / 'api_key'}", f"judge.api_key_file={secret / 'api_key'}"} <= set(argv)
+    assert not any(key in a for r in (*recs.values(), *ranks) for a in r["argv"])
+    assert not [p for p in tmp_path.rglob("*.log") if key in p.read_text(errors="replace")]
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tiny_job, tmp_path):

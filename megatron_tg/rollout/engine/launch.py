@@ -62,10 +62,12 @@ def _die_with_parent() -> None:
 
 
 def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0,
-                  threads: int = 1, extra_args: Sequence[str] = ()) -> list[Engine]:
+                  threads: int = 1, extra_args: Sequence[str] = (),
+                  api_key_file: str | None = None) -> list[Engine]:
     """Start engine subprocesses (in parallel) and wait until each answers /health.
 
-    ``extra_args`` go to every engine's command line (e.g. ``--enable-return-routed-experts``)."""
+    ``extra_args`` go to every engine's command line (e.g. ``--enable-return-routed-experts``);
+    ``api_key_file``: every engine requires that file's key (passed by name, never on argv)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", ENGINE_LOG_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
@@ -75,6 +77,8 @@ def start_engines(model_dirs: list[Path], log_dir: Path, timeout_s: float = 90.0
         log_path = log_dir / f"engine_{port}.log"
         argv = [sys.executable, "-m", "megatron_tg.rollout.engine", "--model", str(model_dir), "--port", str(port),
                 "--host", "127.0.0.1", "--threads", str(threads), *extra_args]
+        if api_key_file:
+            argv += ["--api-key-file", str(api_key_file)]
         engines.append(Engine(f"http://127.0.0.1:{port}", _spawn(argv, log_path, env), log_path, argv))
     _wait_healthy(engines, timeout_s)
     return engines

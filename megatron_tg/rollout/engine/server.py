@@ -16,6 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
+from megatron_tg.auth import aiohttp_middleware
+
 from . import weights as W
 from .weight_api import SGLangRules, WeightEndpoints
 from .model_runner import ModelRunner
@@ -29,6 +31,15 @@ log = logging.getLogger(__name__)
 # with 503 after the second's seconds.
 HEALTH_GENERATES = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() not in ("0", "false", "no")
 HEALTH_CHECK_TIMEOUT = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+
+# The routes here that sglang 0.5.23 marks ADMIN_OPTIONAL (http_server.py): with an
+# --admin-api-key they take only that key; every other route takes --api-key.
+ADMIN_OPTIONAL = frozenset((
+    "/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
+    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
+    "/end_weight_update", "/update_weight_version", "/get_weights_by_name", "/weights_checker",
+))
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -49,7 +60,11 @@ class EngineServer(WeightEndpoints):
         attn_implementation: str | None = None,
         sglang_version: str = "0.5.23",
         enable_return_routed_experts: bool = False,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
     ):
+        # SGLang's --api-key / --admin-api-key, enforced by SGLang's rule (megatron_tg.auth).
+        self.api_key, self.admin_api_key = api_key or None, admin_api_key or None
         self.model_path = model_path
         self.runner = ModelRunner(model_path, attn_implementation=attn_implementation,
                                   capture_routing=enable_return_routed_experts)
@@ -106,7 +121,9 @@ class EngineServer(WeightEndpoints):
         loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        mw = [aiohttp_middleware(self.api_key, self.admin_api_key, ADMIN_OPTIONAL)] \
+            if self.api_key or self.admin_api_key else []
+        app = web.Application(client_max_size=1 << 30, middlewares=mw)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)

@@ -29,6 +29,7 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Sequence
 
 import torch
 
@@ -170,6 +171,7 @@ class WeightUpdateGroup:
     world_size: int
     group_name: str
     backend: str
+    gate: object = None  # rank 0: the StoreGate in front of its store (store_gate.py)
 
     @property
     def device(self) -> torch.device:
@@ -188,11 +190,15 @@ class WeightUpdateGroup:
 
             dist.destroy_process_group(self.pg)
             self.pg = None
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
 
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
                              group_name: str = "weight_update_group", backend: str = "gloo",
-                             timeout_s: float = 300.0) -> WeightUpdateGroup:
+                             timeout_s: float = 300.0, engine_hosts: Sequence[str] | None = None
+                             ) -> WeightUpdateGroup:
     """Join the weight-update group as ``rank`` (0 = the trainer, which hosts the store).
 
     Formed as SGLang's ``init_custom_process_group`` forms it on each engine GPU, because
@@ -200,7 +206,11 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     ``tcp://`` rendezvous (a TCPStore at master_address:master_port, served by rank 0), a
     ``PrefixStore(group_name)`` over it, then torch's own group constructor, which adds
     ``group_name/`` and the device prefix and registers the group under ``group_name``.
-    Blocks until all ``world_size`` members have joined (or ``timeout_s``)."""
+    Blocks until all ``world_size`` members have joined (or ``timeout_s``).
+
+    ``engine_hosts`` (rank 0): the store then listens on loopback only, behind a
+    :class:`~megatron_tg.rollout.engine.store_gate.StoreGate` on ``master_port`` that admits
+    connections from those hosts' addresses alone (TCPStore has no authentication)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -217,14 +227,34 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     # built here so that rank 0 serves it whatever launched this process: under torchrun
     # (TORCHELASTIC_USE_AGENT_STORE=True) the rendezvous starts no server on rank 0, and the
     # engines, which are not torchrun workers, would wait as clients until the timeout.
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
-                          timeout=timeout, multi_tenant=True)
-    store = dist.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                           group_name=group_name, backend_options=None, timeout=timeout)
+    gate = None
+    if rank == 0 and engine_hosts is not None:
+        from .store_gate import StoreGate, loopback_listener, resolve_addresses
+
+        inner = loopback_listener()
+        inner_port = inner.getsockname()[1]
+        gate = StoreGate(int(master_port), inner_port, resolve_addresses(engine_hosts))
+    try:
+        if gate is not None:  # the store's server owns the loopback socket (detach: Python won't close it)
+            store = dist.TCPStore("127.0.0.1", inner_port, world_size, is_master=True, timeout=timeout,
+                                  multi_tenant=True, master_listen_fd=inner.detach())
+        else:
+            store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
+                                  timeout=timeout, multi_tenant=True)
+        store = dist.PrefixStore(group_name, store)
+        pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                               group_name=group_name, backend_options=None, timeout=timeout)
+    except Exception as exc:
+        if gate is not None:
+            gate.close()
+            if gate.refused:
+                raise RuntimeError(f"{exc}; the weight-update store refused connections from "
+                                   f"{sorted(set(gate.refused))}, which are not engine hosts "
+                                   f"{sorted(set(engine_hosts))}") from exc
+        raise
     # Collectives address members by group rank == their rank in this group.
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return WeightUpdateGroup(pg, rank, world_size, group_name, backend)
+    return WeightUpdateGroup(pg, rank, world_size, group_name, backend, gate)
 
 
 # ---- flattened buckets -----------------------------------------------------------------------

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from megatron_tg.auth import KEY_FILE_ENV, bearer, resolve_key, write_key_dir
 from megatron_tg.parallel.ports import free_port
 from megatron_tg.rollout.client import SGLangClient
 from megatron_tg.train.protocols import MakeRolloutSource, RolloutSource, SyncResult, WeightTarget
@@ -83,6 +84,7 @@ class RolloutServiceClient:
     def __init__(self, url: str, cfg, *, process: ServiceProcess | None = None) -> None:
         self.url, self.cfg, self.process = url.rstrip("/"), cfg, process
         self.poll_s = cfg.rollout.service_poll_s
+        self._auth = bearer(resolve_key(cfg.rollout.api_key_file))  # the job's key, if any
         self.last_judged: list = []
         self.info = self._call("hello", protocol=PROTOCOL, config=config_fingerprint(cfg))
         urls = self.info["admin_urls"]
@@ -97,13 +99,14 @@ class RolloutServiceClient:
         self._thread = threading.Thread(target=self.loop.run_forever, name="service-client", daemon=True)
         self._thread.start()
         r = cfg.rollout
-        self.client = SGLangClient(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+        self.client = SGLangClient(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries,
+                                   api_key=resolve_key(r.api_key_file))
         self.weight_group = None
 
     # ---- RPC ----------------------------------------------------------------------------
     def _post(self, method: str, body: dict[str, Any]) -> tuple[int, Any]:
         req = urllib.request.Request(f"{self.url}/v1/{method}", data=dumps(body), method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **self._auth})
         try:
             with urllib.request.urlopen(req, timeout=self.poll_s + 30) as resp:
                 return resp.status, loads(resp.read(), f"{method}: reply")
@@ -138,6 +141,9 @@ class RolloutServiceClient:
             if status == 200 and isinstance(reply, dict) and reply.get("status") == "done":
                 return reply.get("result")
             err = reply.get("error", {}) if isinstance(reply, dict) else {}
+            if not isinstance(err, dict):  # the key check's {"error": "Unauthorized"} (401)
+                err = {"type": str(err), "message": "this client's API key was refused or missing "
+                       "(rollout.api_key_file: the service's key)" if status == 401 else str(err)}
             raise RolloutServiceError(f"rollout service {self.url}: {method} failed (HTTP {status}): "
                                       f"{err.get('type', '?')}: {err.get('message', reply)}")
 
@@ -222,6 +228,10 @@ def start_local_service(cfg, spec: FactorySpec, *, timeout_s: float | None = Non
     from megatron_tg.rollout.engine.launch import _die_with_parent
 
     d = Path(cfg.logging.run_dir) / "rollout_service"
+    if not (cfg.rollout.api_key_file or os.environ.get(KEY_FILE_ENV)):
+        # No job key: the service and its engines get one of their own (its path, not the
+        # key, goes into the resolved config both sides read).
+        cfg.rollout.api_key_file = str(write_key_dir(d / "secret")[0])
     recipe = save_resolved(cfg, d)
     ready = d / "ready.json"
     ready.unlink(missing_ok=True)

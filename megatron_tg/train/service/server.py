@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from megatron_tg.auth import aiohttp_middleware, redact_logs, resolve_key
 from megatron_tg.train.service.wire import (PROTOCOL, WireError, config_fingerprint, config_mismatch,
                                             dumps, encode_batch, loads)
 
@@ -121,8 +122,9 @@ def check_args(method: str, args: Any) -> dict[str, Any]:
 class RolloutService:
     """A built rollout side (``RolloutSide``) behind the HTTP methods of :data:`METHODS`."""
 
-    def __init__(self, side, cfg) -> None:
+    def __init__(self, side, cfg, api_key: str | None = None) -> None:
         self.side, self.cfg = side, cfg
+        self.api_key = api_key  # the job's key (megatron_tg.auth): every call but /health needs it
         self.fingerprint = config_fingerprint(cfg)
         self._serial = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="side")
         self._jobs: dict[str, concurrent.futures.Future] = {}
@@ -132,7 +134,8 @@ class RolloutService:
 
     # ---- HTTP ---------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        mw = [aiohttp_middleware(self.api_key)] if self.api_key else []
+        app = web.Application(client_max_size=64 * 2**20, middlewares=mw)
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/{method}", self._handle)
         return app
@@ -313,9 +316,14 @@ def main(argv=None) -> int:
     from megatron_tg.config import load_config
 
     cfg = load_config(a.recipe, list(a.overrides))
+    api_key = resolve_key(cfg.rollout.api_key_file)  # its engines get the same key (RolloutSide)
+    redact_logs(api_key)
+    if api_key is None:
+        log.warning("rollout service: no API key (rollout.api_key_file, $TG_API_KEY_FILE): anyone "
+                    "who reaches %s:%s can take batches and drive weight syncs", a.host, a.port)
     spec = FactorySpec(a.factory, json.loads(a.factory_kwargs) if a.factory_kwargs else None)
     side = spec.resolve()(ServiceHost(cfg))
-    service = RolloutService(side, cfg)
+    service = RolloutService(side, cfg, api_key)
     try:
         asyncio.run(serve(service, a.host, a.port, a.ready_file))
     finally:

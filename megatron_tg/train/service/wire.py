@@ -22,7 +22,7 @@ PROTOCOL = "tg-rollout/1"
 """Sent by both ends on connect; a service and a trainer that disagree refuse each other."""
 
 PLACEMENT_KEYS = ("service", "service_url", "service_poll_s", "service_start_timeout_s",
-                  "sync_master_address")
+                  "sync_master_address", "api_key_file")
 """rollout.* keys that say where things run, not what is generated: they may differ between
 the trainer's config and the service's (the trainer is told the service's URL, the service
 is not)."""

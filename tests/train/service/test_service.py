@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import urllib.request
 
 import pytest
 
+from megatron_tg.auth import read_key
 from megatron_tg.config import load_config
 from megatron_tg.train.service.client import (RolloutServiceClient, RolloutServiceError,
                                               start_local_service)
@@ -111,15 +113,20 @@ def test_loads_state_and_refuses_a_config_that_differs(engine, tmp_path):
         with pytest.raises(RolloutServiceError, match="load_state_dict before start"):
             client.load_state_dict(state)  # the manager has started: a clear refusal
         other = _cfg(engine, tmp_path, "rollout.group_size=4", "rollout.max_inflight_rollouts=8")
+        with pytest.raises(RolloutServiceError, match=r"HTTP 401\): Unauthorized: this client's API key was "
+                                                      r"refused or missing \(rollout.api_key_file"):
+            RolloutServiceClient(client.url, other)  # the key is checked before anything else
+        other.rollout.api_key_file = cfg.rollout.api_key_file
         with pytest.raises(RolloutServiceError, match=r"rollout.group_size: service 2, trainer 4"):
             RolloutServiceClient(client.url, other)
     finally:
         client.close()
 
 
-def _post(url, method, body, raw=None):
+def _post_with_key(url, method, body, raw=None, key=None):
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(f"{url}/v1/{method}", data=data, method="POST")
+    req = urllib.request.Request(f"{url}/v1/{method}", data=data, method="POST",
+                                 headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())
@@ -130,6 +137,7 @@ def _post(url, method, body, raw=None):
 def test_bad_requests_get_clear_errors(engine, tmp_path):
     client = start_local_service(_cfg(engine, tmp_path), _spec())
     url = client.url
+    _post = functools.partial(_post_with_key, key=read_key(client.cfg.rollout.api_key_file))
     try:
         code, r = _post(url, "next_btch", {})
         assert code == 404 and "unknown method 'next_btch'" in r["error"]["message"]
@@ -157,6 +165,36 @@ def test_bad_requests_get_clear_errors(engine, tmp_path):
             assert r.status == 200
     finally:
         client.close()
+
+
+def test_every_call_needs_the_jobs_key_and_only_the_path_is_saved(engine, tmp_path):
+    # No key configured: the trainer makes one for the service it starts (0600), the service
+    # refuses every call without it (401, SGLang's body), /health stays open for probes.
+    client = start_local_service(_cfg(engine, tmp_path), _spec())
+    try:
+        key_file = client.cfg.rollout.api_key_file
+        key = read_key(key_file)
+        assert oct(os.stat(key_file).st_mode & 0o777) == "0o600"
+        for method, body in (("info", {}), ("next_batch", {"args": {"version": 0}}),
+                             ("sync_begin", {"args": {"version": 1}}), ("close", {})):
+            assert _post_with_key(client.url, method, body) == (401, {"error": "Unauthorized"})
+            assert _post_with_key(client.url, method, body, key="x" * 43) == (401, {"error": "Unauthorized"})
+        code, r = _post_with_key(client.url, "info", {}, key=key)
+        assert code == 200 and r["status"] == "done"
+        with urllib.request.urlopen(f"{client.url}/health", timeout=10) as r:
+            assert r.status == 200
+        client.next_batch(0)  # the client sends it: calls work
+        # The key itself is in no file of the run but its own, nor on the service's argv.
+        pid = client.process.proc.pid
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read()
+    finally:
+        client.close()
+    secret_dir = os.path.dirname(key_file)  # the key file and SGLang's --config copy of it
+    leaks = [str(p) for p in tmp_path.rglob("*") if p.is_file() and str(p.parent) != secret_dir
+             and key.encode() in p.read_bytes()]
+    assert leaks == []
+    assert key_file in (tmp_path / "rollout_service" / "config.yaml").read_text()
 
 
 def test_a_dead_service_is_a_clear_error_not_a_hang(engine, tmp_path):
