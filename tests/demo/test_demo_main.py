@@ -144,9 +144,26 @@ below) is missed at this size (measured -0.115; README "hinted turns": the rule 
 GRPO-vs-GRPO noise at 64 rollouts a step): it is checked to be reported, not to be met."""
 
 
-def check_quick_summary(summary: dict, stdout: str) -> None:
+def _recomputed(run_dir: Path, last: int = 5) -> dict:
+    """A run's summary numbers from its metrics.jsonl, computed here without the demo's
+    report code: final rates (last ``last`` steps), the lowest step and the lowest 3-step mean
+    of the pass rate, its first-3-step mean."""
+    import statistics
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] >= 1 and R.PASS in r]
+    crit, passed = [r[R.CRITERION] for r in rows], [r[R.PASS] for r in rows]
+    roll = [sum(passed[i:i + 3]) / 3 for i in range(len(passed) - 2)]
+    return {"criterion_rate": statistics.fmean(crit[-last:]), "criterion_rate_std": statistics.pstdev(crit[-last:]),
+            "pass_rate": statistics.fmean(passed[-last:]), "pass_rate_std": statistics.pstdev(passed[-last:]),
+            "pass_rate_min": min(passed), "rolling_pass_min": min(roll), "pass_rate_start": statistics.fmean(passed[:3]),
+            "pass_by_step": {r["step"]: r[R.PASS] for r in rows}}
+
+
+def check_quick_summary(summary: dict, stdout: str, out: Path | None = None) -> None:
     """What the quick demo's output must show; shared by the end-to-end test and usable on
-    any ``--quick`` output directory."""
+    any ``--quick`` output directory (``out``: that directory, whose runs' metrics the
+    summary's numbers are checked against)."""
     methods = summary["methods"]
     assert summary["seeded"] is True and summary["runs"] == ["grpo", "opsd", "tg"]
     g, t = methods["grpo"], methods["tg"]
@@ -157,12 +174,24 @@ def check_quick_summary(summary: dict, stdout: str) -> None:
     for name in QUICK_TARGETS_MET:
         assert summary["targets"][name]["met"], (name, summary["targets"][name])
         assert f"target {name:<42} met    (measured" in stdout, name
-    rolling = summary["targets"]["tg_rolling3_pass_ge_grpo_minus_0.1"]
+    # the rolling rule is reported (met or not) with the measured gap
+    name = "tg_rolling3_pass_ge_grpo_minus_0.1"
+    rolling = summary["targets"][name]
     assert rolling["measured"] == pytest.approx(summary["tg_rolling_gap"])
-    assert rolling["met"] == (summary["tg_rolling_gap"] >= -0.1)
-    for m in methods.values():
-        assert 0.0 <= m["pass_rate_min"] <= m["rolling_pass_min"] <= 1.0
-        assert 0.0 <= m["pass_rate_start"] <= 1.0
+    assert f"target {name:<42} {'met   ' if rolling['met'] else 'MISSED'} " \
+           f"(measured {summary['tg_rolling_gap']:.3f})" in stdout
+    if out is None:
+        return
+    # the summary's numbers are those of the runs' metrics, recomputed independently
+    got = {m: _recomputed(out / methods[m]["run"], summary["last_steps_averaged"]) for m in methods}
+    for m, want in got.items():
+        for key in ("criterion_rate", "criterion_rate_std", "pass_rate", "pass_rate_std", "pass_rate_min",
+                    "rolling_pass_min", "pass_rate_start"):
+            assert methods[m][key] == pytest.approx(want[key]), (m, key)
+    a, b = got["tg"]["pass_by_step"], got["grpo"]["pass_by_step"]
+    steps = sorted(set(a) & set(b))
+    gap = min(sum(a[s] - b[s] for s in steps[i:i + 3]) / 3 for i in range(len(steps) - 2))
+    assert summary["tg_rolling_gap"] == pytest.approx(gap)
 
 
 @pytest.mark.slow
@@ -179,11 +208,8 @@ def test_quick_demo_end_to_end(quick_base, tmp_path):
     methods = summary["methods"]
     assert set(methods) == {"grpo", "opsd", "tg"} and summary["steps"] == 25
     for m in methods.values():
-        for key in ("criterion_rate", "criterion_rate_std", "pass_rate", "pass_rate_std",
-                    "base_criterion_rate"):
-            assert 0.0 <= m[key] <= 1.0, (key, m)
         assert m["base_criterion_rate"] == base["new_format_no_hint"] <= 0.01
-    check_quick_summary(summary, res.stdout)
+    check_quick_summary(summary, res.stdout, out)
     assert summary["wall_seconds"] > 0 and (out / "curves.png").stat().st_size > 10_000
     assert "Final rates" in res.stdout
     # the runs went through the real loop, seeded: converted checkpoint, engines, weight syncs
