@@ -5,6 +5,7 @@
     python -m megatron_tg.demo --quick --out runs/quick   # CI-sized, seeded: a few minutes
     python -m megatron_tg.demo --suite phase --out runs/phase  # why reverse KL fails (:mod:`.phase`)
     python -m megatron_tg.demo --suite paper --out runs/paper  # Table 1, Figs 5-7 (:mod:`.paper_suite`)
+    python -m megatron_tg.demo --suite paper --seeds 3,4,5,6,7 --out runs/paper  # its held-out verdicts
 
 1. base model: a tiny Qwen3-MoE SFT'd on the key-lookup task (:mod:`.base_model`): it solves
    the task with the ``search`` tool, never uses the new ``lines=`` format unaided, and uses it
@@ -269,7 +270,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                       help="the whole comparison grid: reverse / forward / jsd x shared / ema, "
                            "3 seeds each (20 RL runs)")
     ap.add_argument("--steps", type=int, help="RL steps per run (default: 30; 25 with --quick)")
-    ap.add_argument("--seeds", type=int, help="seeds per comparison variant (default: 1; 3 with --full)")
+    ap.add_argument("--seeds", type=seed_list, metavar="N|S,S,...|A-B",
+                    help="seeds: a count N (seeds 0..N-1; default: 1, 3 with --full) or the seeds "
+                         "themselves, as a list (3,4,5; one seed: 5,) or a range (3-7); "
+                         "--suite paper: default 0,1,2 (development), its pre-registered report "
+                         "is --seeds 3,4,5,6,7 (docs/claims.md)")
     ap.add_argument("--no-compare", action="store_true", help="skip the KL-direction comparison")
     ap.add_argument("--seeded", action="store_true",
                     help="seed sampling and drop the asynchrony (always on with --quick)")
@@ -280,14 +285,37 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "probability ~1e-6 / 1e-4 / 1e-2, each with GRPO, reverse+EMA and "
                          "forward+EMA TG at the quick size, seed 0 (9 RL runs); paper: Table 1 "
                          "and Figures 5-7 on the environment with thinking and four criteria "
-                         "(8 runs per seed, 3 seeds; recipes/demo_paper_cpu.yaml)")
+                         "(7 runs per seed, seeds 0,1,2 unless --seeds; recipes/demo_paper_cpu.yaml; "
+                         "rules: docs/claims.md)")
     ap.add_argument("--phase-base", choices=("full", "quick"), default="full",
                     help="--suite phase: the base models' SFT size (full: the default build, "
                          "whose no-hint probability is ~1e-6; quick: the --quick build's)")
 
 
+def seed_list(text: str) -> tuple[int, ...]:
+    """``--seeds``: "N" = the first N seeds (0..N-1, as before lists existed); "3,4,5" (or
+    "5," for one seed) = those seeds; "3-7" = 3 to 7 inclusive."""
+    text = text.strip()
+    try:
+        if "," in text:
+            seeds = tuple(int(x) for x in text.split(",") if x.strip())
+        elif "-" in text.lstrip("-"):
+            lo, hi = text.split("-", 1)
+            seeds = tuple(range(int(lo), int(hi) + 1))
+        else:
+            n = int(text)
+            if n < 1:
+                raise argparse.ArgumentTypeError(f"a count of seeds must be at least 1, got {n}")
+            seeds = tuple(range(n))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count, list or range of seeds: {text!r}") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seeds must be distinct integers >= 0, got {text!r}")
+    return seeds
+
+
 def _bad_arguments(a: argparse.Namespace) -> str | None:
-    for name, value, least in (("--steps", a.steps, 3), ("--seeds", a.seeds, 1), ("--jobs", a.jobs, 1)):
+    for name, value, least in (("--steps", a.steps, 3), ("--jobs", a.jobs, 1)):
         if value is not None and value < least:
             return f"{name} must be at least {least}, got {value}"
     if getattr(a, "suite", "main") == "phase" and (getattr(a, "full", False) or a.seeds or a.no_compare):
@@ -329,7 +357,7 @@ def choose_plan(a: argparse.Namespace) -> Plan:
     if a.steps is not None:
         over["steps"] = a.steps
     if a.seeds is not None:
-        over["seeds"] = tuple(range(a.seeds))
+        over["seeds"] = tuple(a.seeds)
     if a.no_compare:
         over["variants"] = ()
     if getattr(a, "seeded", False):

@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Sequence
+
+from megatron_tg.demo.report import CRITERION, PASS
 
 QUICK_TARGETS_MET = ("grpo_criterion_rate_le_0.05", "tg_criterion_rate_ge_0.8",
                      "tg_criterion_0.8_by_step_20", "tg_pass_rate_ge_grpo_minus_0.05",
@@ -61,6 +64,8 @@ def check_summary(summary: dict[str, Any], stdout: str) -> list[str]:
              f"{ROLLING_TARGET} measured {rolling['measured']} != tg_rolling_gap {gap}")
         need(gap is not None and rolling["met"] == (gap >= -0.1),
              f"{ROLLING_TARGET} says met={rolling['met']} for a gap of {gap}")
+        need(gap is not None and f"target {ROLLING_TARGET:<42} {'met   ' if rolling['met'] else 'MISSED'} "
+             f"(measured {gap:.3f})" in stdout, f"target {ROLLING_TARGET} is not printed with its gap")
     for name, m in methods.items():
         for key in ("criterion_rate", "criterion_rate_std", "pass_rate", "pass_rate_std", "base_criterion_rate"):
             need(0.0 <= m[key] <= 1.0, f"{name}: {key}={m[key]} is not a rate")
@@ -101,9 +106,48 @@ def check_run_dir(out: Path) -> list[str]:
         miss.append("no TG step gated anything")
     elif not all(0.0 <= r["kl/rescue_mass"] <= 1.0 and r["kl/grad_norm_forward"] > 0 for r in gated):
         miss.append("the KL diagnostics are missing or out of range on a gated step")
+    evals = [r for r in rows if "eval/n" in r]
+    if [r["step"] for r in evals] != [0, 25]:
+        miss.append(f"{rows_path}: held-out evaluations at steps {[r['step'] for r in evals]}, not 0 and 25")
+    elif evals[0]["eval/n"] + evals[0].get("eval/judge_errors", 0) + evals[0].get("eval/rollout_errors", 0) != 32:
+        miss.append("the step-0 held-out evaluation did not account for its 32 episodes")
+    elif evals[0].get("eval/demo/new_format", 1.0) > 0.1:
+        miss.append("the base already uses the new format on held-out episodes")
     curves = out / "curves.png"
     if not curves.exists() or curves.stat().st_size < 10_000:
         miss.append(f"{curves} was not drawn")
+    return miss
+
+
+def _recomputed(run_dir: Path, last: int) -> dict[str, Any]:
+    """A run's summary numbers from its metrics.jsonl, computed here without the demo's
+    report code: final rates (last ``last`` steps), the lowest step and the lowest 3-step mean
+    of the pass rate, its first-3-step mean, the pass rate by step."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] >= 1 and PASS in r]
+    crit, passed = [r[CRITERION] for r in rows], [r[PASS] for r in rows]
+    roll = [sum(passed[i:i + 3]) / 3 for i in range(len(passed) - 2)]
+    return {"criterion_rate": statistics.fmean(crit[-last:]), "criterion_rate_std": statistics.pstdev(crit[-last:]),
+            "pass_rate": statistics.fmean(passed[-last:]), "pass_rate_std": statistics.pstdev(passed[-last:]),
+            "pass_rate_min": min(passed), "rolling_pass_min": min(roll),
+            "pass_rate_start": statistics.fmean(passed[:3]), "pass_by_step": {r["step"]: r[PASS] for r in rows}}
+
+
+def check_against_metrics(summary: dict[str, Any], out: Path) -> list[str]:
+    """The summary's numbers are those of the runs' metrics, recomputed independently."""
+    miss = []
+    methods = summary["methods"]
+    got = {m: _recomputed(out / methods[m]["run"], summary["last_steps_averaged"]) for m in methods}
+    for m, want in got.items():
+        for key in ("criterion_rate", "criterion_rate_std", "pass_rate", "pass_rate_std", "pass_rate_min",
+                    "rolling_pass_min", "pass_rate_start"):
+            if not math.isclose(methods[m][key], want[key], rel_tol=1e-6, abs_tol=1e-9):
+                miss.append(f"{m}: summary {key}={methods[m][key]} but its metrics give {want[key]}")
+    a, b = got["tg"]["pass_by_step"], got["grpo"]["pass_by_step"]
+    steps = sorted(set(a) & set(b))
+    gap = min(sum(a[s] - b[s] for s in steps[i:i + 3]) / 3 for i in range(len(steps) - 2))
+    if not math.isclose(summary["tg_rolling_gap"], gap, rel_tol=1e-6, abs_tol=1e-9):
+        miss.append(f"tg_rolling_gap {summary['tg_rolling_gap']} but the runs' metrics give {gap}")
     return miss
 
 
@@ -116,7 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not summary_path.exists():
         print(f"quick_check: {summary_path} does not exist: did the demo finish?", file=sys.stderr)
         return 1
-    miss = check_summary(json.loads(summary_path.read_text()), args.stdout.read_text()) + check_run_dir(args.out)
+    summary = json.loads(summary_path.read_text())
+    miss = check_summary(summary, args.stdout.read_text()) + check_run_dir(args.out)
+    if not miss:
+        miss = check_against_metrics(summary, args.out)
     for m in miss:
         print(f"quick_check: MISSED: {m}", file=sys.stderr)
     print(f"quick_check: {'all checks met' if not miss else f'{len(miss)} missed'} ({args.out})")

@@ -12,6 +12,9 @@ no_thinking  yes      failing turns      never             all (weighted)
 
 "opsd" is ungated on purpose: it is the prior-work baseline (global privileged context, no
 failure gating) that the paper compares against, as in the prototype in docs/measurements.md.
+"always_on" is "opsd" with every criterion in the reward: the paper suite runs it as its OPSD
+arm so that every arm has the same reward (docs/claims.md); the main demo's "opsd" row keeps
+the paper's task-only reward.
 """
 
 from __future__ import annotations
