@@ -406,12 +406,12 @@ def test_answers_from_another_weight_version_are_discarded_and_counted():
         return batch, m.counters()
 
     batch, c = run(main(wrong=2))  # at most max_retries per turn: every turn is saved
-    assert c["wrong_version"] == 2 and c["dropped"] == 0
     for g in batch:
         for r in g.rollouts:
             assert BASE - 1 not in r.token_ids  # none of the base-weight tokens
             assert all(seg.meta["weight_version"] == "3" and seg.policy_version == 3
                        for seg in r.assistant_turns())
+    assert c["wrong_version"] == 2 and c["dropped"] == 0
     _, c = run(main(wrong=10 ** 6))  # every answer from the wrong weights
     assert c["dropped_wrong_version"] >= 3 and c["dropped"] == c["dropped_wrong_version"]
     assert c["wrong_version"] >= 3 * (cfg().max_retries + 1) and c["trained"] == 0
