@@ -10,7 +10,12 @@
 # real job starts them) on the other. The checks, each a line of the table:
 #   plan                    the recipe reduced to the node (megatron_tg.launch.preflight reduce:
 #                           the recipe's TP/CP/PP, EP cut to fit, one prompt x 2 rollouts)
+#   NCCL versions           torch and NCCL of the trainer's Python ($PYTHON) and the engines'
+#                           (ENGINE_PYTHON, default ENGINE_CMD's interpreter or $PYTHON);
+#                           FAIL when the NCCL releases differ (NCCL refuses such a group)
 #   engines started         SGLang up with the recipe's flags (the command line is in the row)
+#   router health           the router's health-check flags outlast the recipe's longest
+#                           weight-sync pause (megatron_tg/launch/router_health.py)
 #   engines answer, generate   /model_info and one generation with log-probs per engine
 #   seeded sampling repeats the same seed twice gives the same tokens (a FAIL only when the
 #                           recipe sets rollout.sampling_seed: deterministic inference is on)
@@ -50,7 +55,7 @@ export HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-600}"
 # Trainer and engines share the node: each task (one per GPU) gets its share of the CPUs.
 cpus="${SLURM_CPUS_ON_NODE:-$NODE_GPUS}"
 export STEP_CPUS_PER_TASK="${STEP_CPUS_PER_TASK:-$((cpus / NODE_GPUS > 0 ? cpus / NODE_GPUS : 1))}"
-PF_CHECKS=("plan" "engines started" "engines answer /model_info" "generate with log-probs"
+PF_CHECKS=("plan" "NCCL versions" "engines started" "router health" "engines answer /model_info" "generate with log-probs"
            "seeded sampling repeats" "trainer run (1 step)" "TG train step" "weight sync to engines" "checkpoint save"
            "trainer resume run" "checkpoint load (resume)" "routing replay")
 
@@ -120,6 +125,14 @@ pf_job() {
   if [ "${#TG_BLOCKERS[@]}" -gt 0 ]; then pf_stop plan "${TG_BLOCKERS[*]}"; fi
   tg_make_key
   pf_row plan PASS "${reduce[*]}"
+  # The engines' interpreter: ENGINE_PYTHON, else ENGINE_CMD's first word when it is a Python.
+  local engine_py="${ENGINE_PYTHON:-}" engine_cmd=()
+  if [ -z "$engine_py" ]; then
+    read -r -a engine_cmd <<<"${ENGINE_CMD:-$PYTHON}"
+    case "$(basename "${engine_cmd[0]}")" in python*) engine_py="${engine_cmd[0]}" ;; *) engine_py="$PYTHON" ;; esac
+  fi
+  "$PYTHON" -m megatron_tg.launch.preflight nccl --results "$PF_RESULTS" --trainer-python "$PYTHON" \
+    --engine-python "$engine_py"
 
   tg_start_servers engine
   if ! tg_wait_healthy engine; then pf_stop "engines started" "not healthy; see the log lines above"; fi
@@ -131,6 +144,12 @@ pf_job() {
   pf_row "engines started" PASS "${#TG_ENGINE_URLS[@]} engine(s): $cmdline"
   tg_start_servers router
   tg_wait_healthy router || pf_stop "engines started" "the router did not come up"
+  local router_cmd="" j
+  for j in "${!TG_SERVER_ROLE[@]}"; do
+    if [ "${TG_SERVER_ROLE[j]}" = router ]; then router_cmd="$(grep -m1 '^+ ' "${TG_SERVER_LOG[j]}" | cut -c3- || true)"; fi
+  done
+  "$PYTHON" -m megatron_tg.launch.preflight router --results "$PF_RESULTS" --recipe "$RECIPE" \
+    --cmdline "$router_cmd" -- "${TG_OVERRIDES[@]}"
 
   local seeded=()
   # seeded: the plan turned deterministic inference on (SGLang), or an override sets a seed

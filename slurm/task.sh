@@ -10,7 +10,9 @@
 #                            when rollout.sampling_seed is set)
 #           ENGINE=embedded: ${ENGINE_CMD:-$PYTHON -m megatron_tg.rollout.engine} --model M ...
 #   router  ${ROUTER_CMD:-$PYTHON -m megatron_tg.launch.router} --worker-urls URL... ...
-#           (sglang_router.launch_router run in-process, its --api-key read from a file)
+#           (sglang_router.launch_router run in-process, its --api-key read from a file),
+#           plus the plan's TG_ROUTER_ARGS (health-check flags that outlast a weight-sync
+#           pause: megatron_tg/launch/router_health.py)
 #   judge   ${JUDGE_CMD:-$PYTHON -m sglang.launch_server} --model-path M --served-model-name N ...
 #   rollout_service  ${SERVICE_CMD:-$PYTHON -m megatron_tg.train.service} --recipe R [k=v ...]
 #           (the trainer's arguments, TG_SERVICE_ARGS: docs/rollout-service.md)
@@ -21,7 +23,7 @@ set -euo pipefail
 # Filled by the plan; declared here so a missing entry fails loudly under set -u.
 TG_STEP_FIRST=() TG_SERVER_NAME=() TG_SERVER_ROLE=() TG_SERVER_PORT=() TG_SERVER_GPUS=()
 TG_SERVER_LOG=() TG_SERVER_DIST=() TG_SERVER_NNODES=() TG_ENGINE_URLS=() TG_ENGINE_ARGS=()
-TG_SERVICE_ARGS=() TG_ENGINE="" TG_ENGINE_MODEL="" TG_JUDGE_MODEL="" TG_JUDGE_NAME="" TG_KEY_FILE="" TG_SGLANG_AUTH=""
+TG_SERVICE_ARGS=() TG_ROUTER_ARGS=() TG_ENGINE="" TG_ENGINE_MODEL="" TG_JUDGE_MODEL="" TG_JUDGE_NAME="" TG_KEY_FILE="" TG_SGLANG_AUTH=""
 # shellcheck source=/dev/null
 source "$TG_JOB_DIR/plan.env"
 
@@ -54,7 +56,7 @@ case "${TG_SERVER_ROLE[i]}" in
     ;;
   router)
     read -r -a cmd <<<"${ROUTER_CMD:-$py -m megatron_tg.launch.router}"
-    args=(--worker-urls "${TG_ENGINE_URLS[@]}")
+    args=(--worker-urls "${TG_ENGINE_URLS[@]}" "${TG_ROUTER_ARGS[@]}")
     read -r -a extra <<<"${ROUTER_ARGS:-}"
     ;;
   judge)

@@ -284,7 +284,26 @@ def engine_plan(cfg: TGConfig, arch: Qwen3Arch, total_params: int,
     if pool <= 0:
         plan.notes.append(f"weights {weights / GIB:.1f} GiB exceed mem_fraction_static x GPU: "
                           "raise rollout.engine_tp")
+    if r.sync_verify_coverage:
+        plan.kv["coverage_check"] = cov = coverage_check_host_bytes(cfg, arch, total_params)
+        plan.notes.append(
+            f"first-sync coverage check (rollout.sync_verify_coverage): per-tensor checksums, "
+            f"{cov['checksum_bytes'] / 2**20:.1f} MiB of host memory per rollout node "
+            f"(SGLang's snapshot -> compare would pin {cov['snapshot_bytes'] / 1e9:,.0f} GB there)")
     return plan
+
+
+def coverage_check_host_bytes(cfg: TGConfig, arch: Qwen3Arch, total_params: int) -> dict[str, float]:
+    """Host memory of the first-sync coverage check on one rollout node (engines of
+    ``rollout.engine_tp`` GPUs packed on ``parallel.gpus_per_node``): the checksum reply (a
+    name and a 16-digit hash per tensor per TP rank, at most ~200 B with its JSON; the HF
+    tensor count bounds SGLang's, which fuses experts), against the snapshot SGLang's
+    ``compare`` needs (every TP rank's weights in bf16, the whole model per engine)."""
+    r = cfg.rollout
+    engines = max(cfg.parallel.gpus_per_node // r.engine_tp, 1)
+    tensors = arch.num_layers * (3 * max(arch.num_experts or 0, 1) + 12) + 3
+    return {"engines_per_node": engines, "checksum_bytes": float(engines * r.engine_tp * tensors * 200),
+            "snapshot_bytes": float(engines * BF16 * total_params)}
 
 
 # settings that shrink each term, for the refusal message

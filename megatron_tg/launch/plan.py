@@ -43,6 +43,7 @@ from typing import Optional, Sequence
 from megatron_tg.auth import KEY_NAME, SGLANG_CONFIG_NAME
 from megatron_tg.config import ConfigError, RolloutConfig, TGConfig, load_config
 from megatron_tg.launch.render import RENDERERS
+from megatron_tg.launch.router_health import router_health
 from megatron_tg.launch.spec import (  # noqa: F401 (the planner's API, re-exported)
     ACCELERATORS,
     DEFAULT_PORT_BASE,
@@ -127,6 +128,7 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         engine_args=engine_flags(cfg.rollout, engine) if want else [],
         judge_model=judge_model if z.start_judge else "",
         judge_name=judge_name if judge_url else "", judge_url=judge_url, router_url=router_url,
+        router_args=router_health(cfg).flags() if router_url else [],
         service_url=service_url, service_args=service_args, servers=servers, steps=steps,
         train_args=train_args, notes=notes, blockers=blockers, key_file=key_file, sglang_auth=sglang_auth,
         timeouts=cfg.timeouts.table(cfg), checkpoint=z.checkpoint)

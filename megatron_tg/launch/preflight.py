@@ -5,6 +5,8 @@
     python -m megatron_tg.launch.preflight train --results F --run-dir D --ckpt-dir C --steps N URL ...
     python -m megatron_tg.launch.preflight resume --results F --run-dir D --log L --steps N
     python -m megatron_tg.launch.preflight routing --results F --recipe R [k=v ...]
+    python -m megatron_tg.launch.preflight nccl --results F --trainer-python P --engine-python Q
+    python -m megatron_tg.launch.preflight router --results F --recipe R --cmdline C [k=v ...]
     python -m megatron_tg.launch.preflight table --results F                      exit 1 if a check failed
 
 Each check appends one row (name, PASS/FAIL/SKIP, what it saw) to the results file, a TSV
@@ -207,6 +209,30 @@ def check_routing(recipe: str, overrides: Sequence[str]) -> tuple[str, str, str]
             "--enable-return-routed-experts")
 
 
+# ---------------------------------------------------------------------- NCCL, router health
+
+def check_nccl(trainer_python: str, engine_python: str) -> tuple[str, str, str]:
+    """Both sides' torch and NCCL versions; FAIL where NCCL would refuse the weight-update group."""
+    from megatron_tg.launch import nccl_check
+
+    return ("NCCL versions", *nccl_check.check(nccl_check.side_versions(trainer_python),
+                                               nccl_check.side_versions(engine_python)))
+
+
+def check_router(recipe: str, overrides: Sequence[str], cmdline: str) -> tuple[str, str, str]:
+    """The router's health flags against the longest weight-sync pause the recipe allows."""
+    import shlex
+
+    from megatron_tg.launch.router_health import check_router_argv
+
+    if not cmdline.strip():
+        return ("router health", "SKIP", "no router in this plan (one engine, or rollout.router_url unset)")
+    try:
+        return ("router health", *check_router_argv(load_config(recipe, list(overrides)), shlex.split(cmdline)))
+    except ValueError as exc:
+        return ("router health", "FAIL", str(exc))
+
+
 # ---------------------------------------------------------------------- table
 
 def table(results: Path) -> tuple[str, int]:
@@ -227,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--recipe", required=True)
     r.add_argument("--gpus", type=int, required=True)
     r.add_argument("--judge-url", default="")
-    for name in ("probe", "train", "resume", "routing", "table"):
+    for name in ("probe", "train", "resume", "routing", "nccl", "router", "table"):
         s = sub.add_parser(name)
         s.add_argument("--results", type=Path, required=True)
         if name in ("train", "resume"):
@@ -237,8 +263,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             s.add_argument("--ckpt-dir", type=Path, required=True)
         if name == "resume":
             s.add_argument("--log", type=Path, required=True)
-        if name == "routing":
+        if name in ("routing", "router"):
             s.add_argument("--recipe", required=True)
+        if name == "router":
+            s.add_argument("--cmdline", default="", help="the router's command line ('' = no router)")
+        if name == "nccl":
+            s.add_argument("--trainer-python", required=True)
+            s.add_argument("--engine-python", required=True)
         if name == "probe":
             s.add_argument("--seeded", action="store_true", help="the recipe sets rollout.sampling_seed")
     for p in sub.choices.values():
@@ -258,6 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = check_train(args.run_dir, args.ckpt_dir, args.steps, args.rest)
         elif args.cmd == "resume":
             rows = [check_resume(args.run_dir, args.log, args.steps)]
+        elif args.cmd == "nccl":
+            rows = [check_nccl(args.trainer_python, args.engine_python)]
+        elif args.cmd == "router":
+            rows = [check_router(args.recipe, args.rest, args.cmdline)]
         else:
             rows = [check_routing(args.recipe, args.rest)]
     except ConfigError as exc:

@@ -35,6 +35,8 @@ def render_text(plan: Plan) -> str:
     if plan.engine:
         out.append(f"engines: {plan.engine}, tp {plan.engine_tp}, model {plan.engine_model}"
                    + (f", flags {' '.join(plan.engine_args)}" if plan.engine_args else ""))
+    if plan.router_url:
+        out.append(f"router: {plan.router_url}, health flags {' '.join(plan.router_args)}")
     if plan.judge_url:
         where = (f"serving {plan.judge_model}" if plan.judge_model else
                  "needs JUDGE_MODEL" if plan.roles["judge"] else "external")
@@ -106,6 +108,7 @@ def render_env(plan: Plan) -> str:
     lines.append(array("TG_JUDGE_HOSTS", plan.roles["judge"]))
     lines.append(array("TG_TRAIN_ARGS", plan.train_args))
     lines.append(array("TG_ENGINE_ARGS", plan.engine_args))
+    lines.append(array("TG_ROUTER_ARGS", plan.router_args))
     lines.append(array("TG_SERVICE_ARGS", plan.service_args))
     lines.append(array("TG_ENGINE_URLS", [s.url for s in plan.servers if s.role == "engine"]))
     for attr in ("name", "role", "ntasks", "tasks_per_node", "gpus_per_task", "gpus_per_node", "first",

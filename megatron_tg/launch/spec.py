@@ -135,6 +135,9 @@ class Plan:
     judge_name: str
     judge_url: str
     router_url: str
+    router_args: list[str]
+    """The router's health-check flags (before ROUTER_ARGS); see
+    :mod:`megatron_tg.launch.router_health`."""
     service_url: str
     """The rollout service the trainer pulls batches from ("" = the side runs in rank 0)."""
     service_args: list[str]

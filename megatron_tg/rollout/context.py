@@ -45,6 +45,26 @@ class MalformedOutputError(ValueError):
     """The engine's answer cannot be used for training (no log-probs, ids out of range...)."""
 
 
+class WrongVersionError(EngineError):
+    """Every answer to a turn came from an engine serving other weights than the turn's
+    policy version (an engine back on its base weights, or one caught mid-load)."""
+
+
+# What an engine reports before its first weight update (SGLang's --weight-version default):
+# the base weights, i.e. policy version 0.
+BASE_WEIGHT_VERSION = "default"
+
+
+def serves(weight_version: str | None, versions: Sequence[int]) -> bool:
+    """Whether an answer reporting ``weight_version`` came from one of the policy ``versions``
+    (the sync sets engine version ``str(v)``; version 0 is the base weights). An engine that
+    reports no version cannot be checked and is taken at its word."""
+    if weight_version is None:
+        return True
+    w = str(weight_version)
+    return any(w == str(v) or (v == 0 and w == BASE_WEIGHT_VERSION) for v in versions)
+
+
 class VersionGate:
     """The engines' current policy version, and a gate closed while weights are replaced."""
 
@@ -132,6 +152,8 @@ class RolloutContext:
         self.tools = tools
         """The manager's tool slots (the environment workers' admission), or None: unbounded."""
         self.gen_seconds = self.tool_seconds = 0.0
+        self.wrong_version = 0
+        """Answers discarded because the engine served other weights than the turn's version."""
 
     def tool_slot(self):
         """``async with ctx.tool_slot():`` around a tool call: waits for a free environment
@@ -182,6 +204,19 @@ class RolloutContext:
             res = await self.client.generate(sent, p, return_logprob=True,
                                              rid=f"{self.rollout_id}/t{turn}.{k}", **routing)
             k += 1
+            # The versions this attempt may have run on: the one it was sent at, and any set
+            # while it ran (an in-place pause continues it on the new weights).
+            spans = [v, *self.gate.history[seen:]]
+            if not serves(res.weight_version, spans):
+                # Generated on weights no policy version names (an engine restarted on its
+                # base weights, or mid-load behind a router): training it as version v would
+                # be wrong, so its tokens are discarded and the attempt is sent again.
+                self.wrong_version += 1
+                if self.wrong_version > self.max_aborts:
+                    raise WrongVersionError(
+                        f"{self.rollout_id}: turn {turn}: {self.wrong_version} answers from {res.server} "
+                        f"and others at weight version {res.weight_version!r}, not policy version(s) {spans}")
+                continue
             self._check(res)
             self._collect_routing(sent, start, res)
             ids += [int(t) for t in res.output_ids]

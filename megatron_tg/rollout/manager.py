@@ -53,15 +53,17 @@ from typing import Any, Awaitable, Callable, Sequence
 from megatron_tg.rollout.capacity import ToolSlots, env_workers
 from megatron_tg.rollout.client import SGLangClientError
 from megatron_tg.rollout.context import (EngineError, MalformedOutputError, RolloutContext, VersionGate,
-                                         request_seed)
+                                         WrongVersionError, request_seed)
 from megatron_tg.rollout.types import FramingError, Rollout, RolloutFormatError
 
 log = logging.getLogger(__name__)
 
-DROP_REASONS = ("stale", "engine_error", "malformed", "judge_error", "rollout_error")
+DROP_REASONS = ("stale", "engine_error", "malformed", "judge_error", "rollout_error", "wrong_version")
 """stale: too old for the trainer; engine_error: generation failed after retries; malformed:
 the engine's output or the built rollout is invalid; judge_error: reported by the trainer;
-rollout_error: the rollout function raised something else (a harness bug; logged)."""
+rollout_error: the rollout function raised something else (a harness bug; logged);
+wrong_version: every answer to a turn came from an engine at another weight version (each
+such answer is also counted in ``wrong_version``, whether or not a retry saved the turn)."""
 STATE_FORMAT = 1
 _DELIVERED_KEEP = 4096  # delivered group ids remembered for report_dropped
 
@@ -239,6 +241,12 @@ class RolloutManager:
         subs = [asyncio.create_task(self.rollout_fn(c)) for c in ctxs]
         pending = set(subs)
         try:
+            return await self._finish_group(item, task, gid, t0, start_version, ctxs, subs, pending)
+        finally:  # discarded answers count whatever became of the group
+            self._c["wrong_version"] += sum(c.wrong_version for c in ctxs)
+
+    async def _finish_group(self, item, task, gid, t0, start_version, ctxs, subs, pending) -> None:
+        try:
             failed: BaseException | None = None
             while pending and failed is None:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -408,6 +416,9 @@ class RolloutManager:
                 if inspect.isawaitable(out):
                     out = await out
                 self.gate.set_version(new)
+                # the engines now report str(new): the client routes only to those that do (a
+                # rollout service's client learns it here, the trainer pushed the weights)
+                self.client.expected_weight_version = str(new)
             finally:
                 try:
                     await self.client.continue_generation()
@@ -429,7 +440,8 @@ class RolloutManager:
     def counters(self) -> dict[str, Any]:
         """Flat dict for logging (``rollout/<key>``)."""
         c = {k: self._c[k] for k in ("taken", "trained", "dropped", "regenerated", "rollouts", "turns",
-                                     "tokens_generated", "batches", "weight_updates", "max_staleness_delivered")}
+                                     "tokens_generated", "batches", "weight_updates", "max_staleness_delivered",
+                                     "wrong_version")}
         c.update({f"dropped_{r}": self._c[f"dropped_{r}"] for r in DROP_REASONS})
         c.update(in_flight=len(self._requeue) + len(self._running) + len(self._buffer),
                  queued=len(self._requeue), generating=len(self._running), buffered=len(self._buffer),
@@ -500,6 +512,8 @@ class RolloutManager:
 
 
 def _reason(e: BaseException) -> str:
+    if isinstance(e, WrongVersionError):
+        return "wrong_version"
     if isinstance(e, (SGLangClientError, EngineError, ConnectionError, TimeoutError)):
         return "engine_error"
     if isinstance(e, (MalformedOutputError, RolloutFormatError, FramingError)):

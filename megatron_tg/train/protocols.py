@@ -16,7 +16,8 @@ runs the push while its engines are paused and their version is bumped
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, Protocol, Sequence, TypeVar
 
 if TYPE_CHECKING:  # types only: the loop never imports the rollout machinery itself
@@ -44,7 +45,14 @@ class WeightTarget:
     group: "TrainerWeightGroup"
     """Replaced when an engine is lost or comes back (:mod:`megatron_tg.train.engine_loss`)."""
     formations: int = 0
-    """How many times the group was re-formed (each formation gets a fresh group name)."""
+    """How many groups were formed for this run (each formation gets a fresh group name)."""
+    router: str | None = None
+    """The sglang-router in front of the engines, if any: an engine lost or being admitted
+    is taken out of it (:mod:`megatron_tg.train.engine_loss`)."""
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    """Part of every group name of this trainer process: engines that outlive a trainer (a
+    requeued job, a remote service) may still hold the names a previous one used, and torch
+    refuses a second group of a name it holds (SGLang's ``init_weights_update_group``)."""
 
 
 class RolloutSource(Protocol):

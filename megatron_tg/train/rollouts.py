@@ -41,11 +41,11 @@ from megatron_tg.config.schema import TGConfig
 from megatron_tg.judge import Judge
 from megatron_tg.judge.rubric import Rubric, primary_criteria
 from megatron_tg.objectives import combine_rewards, group_advantages, mode_switches
-from megatron_tg.parallel.ports import free_port
 from megatron_tg.rollout.client import SGLangClient
 from megatron_tg.rollout.manager import RolloutGroup, RolloutManager
 from megatron_tg.rollout.types import Rollout
 from megatron_tg.train.batching import TrainSample
+from megatron_tg.train.engine_loss import form_target
 from megatron_tg.train.protocols import WeightTarget
 from megatron_tg.train.weight_sync import SyncStats
 
@@ -249,11 +249,9 @@ class RolloutSide:
             host = r.sync_master_address or ("127.0.0.1" if self.engines else socket.gethostname())
             backend = r.sync_backend if r.sync_backend != "auto" else (
                 "nccl" if r.engine == "sglang" and torch.cuda.is_available() else "gloo")
-            group = self.call(self.client.init_weights_update_group(
-                host, free_port(), group_name="tg-weights", backend=backend,
-                timeout_s=self.cfg.timeouts.weight_sync_s))
             # one target for the run: a lost or returned engine replaces its group in place
-            self.weight_target_ = WeightTarget(self.client, group)
+            self.weight_target_ = form_target(self.call, self.client, host, backend,
+                                              self.cfg.timeouts.weight_sync_s, r.router_url)
         return self.weight_target_
 
     def run_sync(self, push: Callable[[], Awaitable[SyncStats]], version: int, *,

@@ -7,7 +7,8 @@ written by global rank 0 after each optimizer step, one JSON object per rollout:
     trained (False: excluded, e.g. a judge error), reward (the scalar the advantage came
     from), rewards (per criterion), advantage, judge_error, judge_reply (the judge's raw reply,
     only on an error), criteria {name: passed, failing_turns, feedback, detail, judge_feedback},
-    turns [{turn, tokens, policy_version, feedback (inserted, framed), loss_tokens,
+    turns [{turn, tokens, policy_version, weight_version (the engine's, when it reported
+            one), feedback (inserted, framed), loss_tokens,
             gated_tokens, kl_mean (over the gated tokens), is_weight_mean, text (with
             logging.samples_text)}]
 
@@ -111,6 +112,7 @@ def rollout_record(rollout: Rollout, result: JudgeVerdict | None, sample: TrainS
     for k, seg in enumerate(rollout.assistant_turns()):
         t: dict[str, Any] = {"turn": k, "tokens": seg.end - seg.start,
                              "policy_version": seg.policy_version,
+                             "weight_version": (seg.meta or {}).get("weight_version"),
                              "feedback": _cut((sample.feedback_by_turn.get(k) if sample else None),
                                               limit)}
         t.update((stats or {}).get(k, {"loss_tokens": 0.0, "gated_tokens": 0.0,

@@ -22,7 +22,7 @@ same way over the PP group. Peak extra memory per rank: one merged parameter (al
 one weight kind under EP) with its gather buffers, plus one bucket (rank 0 only).
 
 **Proof the engines serve the new weights** (:class:`SyncChecks`): once, SGLang's weight
-checker runs snapshot -> reset_tensors -> sync -> compare, which names every weight the
+checker runs checksum -> reset_tensors -> sync -> checksum, which names every weight the
 engine's loader skipped (SGLang's loader drops names it does not know without an error); and
 every ``rollout.sync_probe_interval`` syncs, each engine's log-probs of a fixed sequence are
 compared with the trainer's own, stopping with :class:`SyncCheckError` naming the engine.
@@ -277,17 +277,51 @@ def compare_logprobs(url: str, engine: torch.Tensor, trainer: torch.Tensor, tol:
     return diff
 
 
+def _rank_checksums(url: str, reply: Any) -> dict[tuple, dict[str, str]]:
+    """SGLang's ``/weights_checker`` checksum reply -> {(tp, pp, dp rank): {tensor: hash}}."""
+    ranks = reply.get("ranks") if isinstance(reply, dict) else None
+    if not isinstance(ranks, list) or not ranks:
+        raise SyncCheckError(f"engine {url}: /weights_checker checksum returned no per-rank checksums "
+                             f"({str(reply)[:200]}); the coverage check needs SGLang >= 0.5.23's reply")
+    out = {}
+    for r in ranks:
+        info = r.get("parallelism_info") or {}
+        info = info[0] if isinstance(info, list) and info else info
+        out[(info.get("tp_rank", 0), info.get("pp_rank", 0), info.get("dp_rank", 0))] = dict(r["checksums"])
+    return out
+
+
+def coverage_gaps(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[str]]:
+    """Per engine, the tensors whose checksum after reset -> push differs from before it (the
+    push did not write them, so they kept the reset's noise), named ``tp<i>:<name>``."""
+    gaps: dict[str, list[str]] = {}
+    for url in before:
+        b, a = _rank_checksums(url, before[url]), _rank_checksums(url, after.get(url))
+        bad = [f"tp{k[0]}:{n}" for k in sorted(b) for n, h in b[k].items() if a.get(k, {}).get(n) != h]
+        if bad:
+            gaps[url] = bad
+    return gaps
+
+
 async def verify_coverage(client, group, push) -> None:
     """SGLang's weight checker around a second push of the weights the engines already hold:
-    snapshot -> reset_tensors -> push -> compare. A weight the push does not write keeps its
-    random value, and compare fails naming it."""
-    await client.weights_checker("snapshot", servers=group.servers)
+    checksum -> reset_tensors -> push -> checksum. A weight the push does not write keeps the
+    reset's noise, its checksum changes, and the error names it.
+
+    Checksums, not SGLang's snapshot -> compare: a snapshot copies every TP rank's weights
+    into host memory (the whole model per engine, ~240 GB per rollout node at 30B), while a
+    checksum is a hash per tensor; both see the same tensors (SGLang skips the same names in
+    reset, compare and checksum). ``megatron-tg memory`` prints both figures."""
+    before = await client.weights_checker("checksum", servers=group.servers)
     await client.weights_checker("reset_tensors", servers=group.servers)
     await push()
-    try:
-        await client.weights_checker("compare", servers=group.servers)
-    except Exception as exc:
-        raise SyncCheckError(f"a weight sync leaves engine weights unwritten: {exc}") from exc
+    after = await client.weights_checker("checksum", servers=group.servers)
+    gaps = coverage_gaps(before, after)
+    if gaps:
+        detail = "; ".join(f"{url}: {len(names)} tensor(s), e.g. {', '.join(names[:8])}"
+                           for url, names in gaps.items())
+        raise SyncCheckError(f"a weight sync leaves engine weights unwritten (their checksums changed "
+                             f"after reset_tensors and a second push): {detail}")
 
 
 @dataclass
@@ -356,11 +390,12 @@ def sync_to_engines(trainer, side: "RolloutSource | None", checks: SyncChecks, *
     target = side.weight_target() if side is not None else None
     client = target.client if target is not None else None
 
-    async def push_into(group, admitting: bool = False, check_versions: bool = True):
+    async def push_into(group, admitting: bool = False, check_versions: bool = True, flush=None):
+        # flush: an admitted engine is paused with abort, so idle (engine_loss._drain)
         return await push_weights(client, group, trainer.model, trainer.arch, trainer.ctx,
                                   version=trainer.step, bucket_bytes=r.sync_bucket_mb << 20,
-                                  flush=r.pause_mode != "in_place", admitting=admitting,
-                                  check_versions=check_versions)
+                                  flush=r.pause_mode != "in_place" if flush is None else flush,
+                                  admitting=admitting, check_versions=check_versions)
 
     async def push(check_versions: bool = True):  # into the group as it is now (a loss replaces it)
         return await push_into(target.group if target is not None else None,

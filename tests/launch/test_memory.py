@@ -201,3 +201,24 @@ def test_missing_hf_config_is_a_clear_error(capsys):
                "model.hf_config=nowhere/config.json"])
     err = capsys.readouterr().err
     assert rc == 2 and "model.hf_config" in err and "nowhere" in err
+
+
+def test_coverage_check_host_memory_is_checksums_not_a_snapshot():
+    """The first-sync coverage check costs hashes in host memory, not SGLang's snapshot of the
+    whole model per engine (~244 GB per rollout node at 30B, ~470 GB at 235B)."""
+    from megatron_tg.config import load_config
+    from megatron_tg.launch.memory import memory_plan
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs"
+    for recipe, hf, snapshot_gb in (("tg_30b", "qwen3-coder-30b-a3b-instruct", 244),
+                                    ("tg_235b", "qwen3-235b-a22b", 470)):
+        cfg = load_config(f"recipes/{recipe}.yaml", [f"model.hf_config={fixtures / hf}.json"])
+        engine = memory_plan(cfg).roles["engine"]
+        cov = engine.kv["coverage_check"]
+        assert round(cov["snapshot_bytes"] / 1e9) == snapshot_gb
+        assert cov["checksum_bytes"] < 100 * 2**20
+        assert any(n.startswith("first-sync coverage check") and f"{snapshot_gb} GB" in n for n in engine.notes)
+    off = load_config("recipes/tg_30b.yaml", [f"model.hf_config={fixtures}/qwen3-coder-30b-a3b-instruct.json",
+                                              "rollout.sync_verify_coverage=false"])
+    engine = memory_plan(off).roles["engine"]
+    assert "coverage_check" not in engine.kv and not any("coverage" in n for n in engine.notes)

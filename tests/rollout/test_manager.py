@@ -207,7 +207,8 @@ def test_accounting_under_drops_and_engine_errors():
     assert c["taken"] == 20 and c["in_flight"] == 0
     assert c["trained"] == 20 - len(bad) - len(judge_failed)
     assert {r: c[f"dropped_{r}"] for r in DROP_REASONS} == {
-        "stale": 0, "engine_error": 3, "malformed": 1, "judge_error": len(judge_failed), "rollout_error": 1}
+        "stale": 0, "engine_error": 3, "malformed": 1, "judge_error": len(judge_failed), "rollout_error": 1,
+        "wrong_version": 0}
     assert c["taken"] == c["trained"] + c["dropped"]
 
 
@@ -373,6 +374,49 @@ def test_trainer_ahead_of_engines_is_an_error():
     run(main())
 
 
+class RestartedBehind(FakeEngine):
+    """The first ``wrong`` answers come from an engine back on its base weights ("default",
+    tokens BASE - 1) that a router still sends requests to; the rest from the live one."""
+
+    def __init__(self, wrong: int, version: int):
+        super().__init__()
+        self.wrong, self.version = wrong, version
+
+    async def generate(self, input_ids, sampling_params=None, return_logprob=True, rid=None):
+        if self.wrong > 0:
+            self.wrong -= 1
+            n = (sampling_params or {}).get("max_new_tokens", 16)
+            return GenerateResult(rid, [BASE - 1] * n, [-0.5] * n, {"type": "length"}, "default", "back")
+        return await super().generate(input_ids, sampling_params, return_logprob, rid)
+
+
+def test_answers_from_another_weight_version_are_discarded_and_counted():
+    """An answer whose engine weight_version is not the turn's policy version is never
+    trained as that version: its tokens are dropped and the turn is sent again; a turn that
+    never gets a right answer drops its group (reason wrong_version)."""
+    async def main(wrong):
+        m = RolloutManager(RestartedBehind(wrong, version=3), multi_turn_fn(), tasks(40), cfg(max_staleness=0),
+                           initial_version=3, max_consecutive_failures=3)
+        async with m:
+            batch = await m.get_batch(3, timeout=10) if wrong < 100 else None
+            if batch is None:
+                with pytest.raises(RuntimeError, match="wrong_version"):
+                    await m.get_batch(3, timeout=10)
+        m.check_invariants()
+        return batch, m.counters()
+
+    batch, c = run(main(wrong=2))  # at most max_retries per turn: every turn is saved
+    for g in batch:
+        for r in g.rollouts:
+            assert BASE - 1 not in r.token_ids  # none of the base-weight tokens
+            assert all(seg.meta["weight_version"] == "3" and seg.policy_version == 3
+                       for seg in r.assistant_turns())
+    assert c["wrong_version"] == 2 and c["dropped"] == 0
+    _, c = run(main(wrong=10 ** 6))  # every answer from the wrong weights
+    assert c["dropped_wrong_version"] >= 3 and c["dropped"] == c["dropped_wrong_version"]
+    assert c["wrong_version"] >= 3 * (cfg().max_retries + 1) and c["trained"] == 0
+
+
 # --------------------------------------------------------------------------- real engine
 @pytest.fixture(scope="module")
 def tok():
@@ -463,14 +507,17 @@ def test_real_engine_drives_the_agent_harness(chat_engine, tok, sandbox):
 
     async def main():
         async with SGLangClient([engine.url], backoff_s=0.05) as client:
+            # the module's engine may hold a version an earlier test set: the manager starts
+            # at it, since answers from another version are discarded
+            served = (await client.get_weight_version())[engine.url]
             m = RolloutManager(client, AgentHarness(tok, c, sandbox=sandbox), builtin_tasks()[:2], c,
-                               vocab_size=vocab)
+                               vocab_size=vocab, initial_version=int(served) if served.isdigit() else 0)
             async with m:
-                return await m.get_batch(0, timeout=60), m.counters()
+                return await m.get_batch(0, timeout=60), m.counters(), m.version
 
-    batch, counters = run(main())
-    assert len(batch) == 2 and counters["trained"] == 2
+    batch, counters, served = run(main())
+    assert len(batch) == 2 and counters["trained"] == 2 and counters["wrong_version"] == 0
     for g in batch:
         for r in g.rollouts:  # a random model: one turn cut by max_new_tokens, tests fail
             assert r.finish_reason in ("length", "stop", "max_turns") and r.metadata["tests_passed"] is False
-            assert r.turn(0).meta["versions"] == [0] and len(r.turn(0).logprobs) == r.turn(0).end - r.turn(0).start
+            assert r.turn(0).meta["versions"] == [served] and len(r.turn(0).logprobs) == r.turn(0).end - r.turn(0).start

@@ -92,7 +92,11 @@ def test_every_sync_request_is_one_sglang_accepts(engine):
             group = await client.init_weights_update_group("127.0.0.1", free_port(), group_name="tg-weights")
             try:
                 await client.pause_generation(mode="retract")
-                await client.weights_checker("snapshot")
+                # the coverage check's sequence (weight_sync.verify_coverage): checksum ->
+                # reset_tensors -> push -> checksum; an admitted engine is paused with abort
+                before = await client.weights_checker("checksum")
+                await client.weights_checker("reset_tensors")
+                await client.broadcast("POST", "/pause_generation", {"mode": "abort"}, strict=True)
                 await client.begin_weight_update(group)
                 bucket = FlatBucket(1 << 20, torch.device("cpu"))
                 for n, t in tensors[1:]:
@@ -102,14 +106,20 @@ def test_every_sync_request_is_one_sglang_accepts(engine):
                 await client.end_weight_update(group)
                 await client.update_weight_version("7", servers=group.servers)
                 await client.flush_cache(servers=group.servers, strict=True)
-                await client.weights_checker("compare")
+                after = await client.weights_checker("checksum")
                 await client.continue_generation()
                 await client.update_weights_from_disk(str(model), weight_version="8", flush_cache=False)
             finally:
                 await client.destroy_weights_update_group(group)
-            return client.sent
+            return client.sent, before, after
 
-    sent = asyncio.run(sync())
+    sent, before, after = asyncio.run(sync())
+    # the checksum reply is SGLang's: each rank a ChecksumInfo (the client reads its fields)
+    for reply in (*before.values(), *after.values()):
+        for rank in reply["ranks"]:
+            msgspec.convert(rank, io_struct.ChecksumInfo)
+    names = lambda r: {n for x in r.values() for rank in x["ranks"] for n in rank["checksums"]}  # noqa: E731
+    assert names(before) == names(after) and names(before)  # the same tensors hashed both times
     routes = sglang_routes()
     assert {p for _, p, _ in sent} == SYNC_PATHS
     for method, path, body in sent:

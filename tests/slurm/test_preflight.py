@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-CHECKS = ["plan", "engines started", "engines answer /model_info", "generate with log-probs",
+CHECKS = ["plan", "NCCL versions", "engines started", "router health", "engines answer /model_info", "generate with log-probs",
           "seeded sampling repeats", "trainer run (1 step)", "TG train step", "weight sync to engines", "checkpoint save",
           "trainer resume run", "checkpoint load (resume)", "routing replay"]
 CPU = {"RECIPE": "recipes/tiny_cpu.yaml", "ACCEL": "cpu", "ENGINE": "embedded", "NODE_GPUS": "2",
@@ -46,7 +46,11 @@ def test_preflight_passes_on_the_cpu_cluster(slurm_cluster, tiny_job, tmp_path, 
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-4000:]
     rows = table(tmp_path)
     assert list(rows) == CHECKS, rows
-    assert all(rows[c][0] == "PASS" for c in CHECKS), rows
+    # CPU torch has no NCCL (gloo syncs the weights), and one engine needs no router
+    skipped = {"NCCL versions", "router health"}
+    assert all(rows[c][0] == "PASS" for c in CHECKS if c not in skipped), rows
+    assert rows["NCCL versions"][0] == "SKIP" and "NCCL none" in rows["NCCL versions"][1], rows
+    assert rows["router health"] == ("SKIP", "no router in this plan (one engine, or rollout.router_url unset)")
     assert rows["routing replay"][1].startswith("rollout.routing_replay=true")
     assert "weight version {'http://127.0.0.1" in rows["weight sync to engines"][1]
     assert "step_00000001" in rows["checkpoint save"][1]
@@ -62,5 +66,6 @@ def test_preflight_names_what_failed(slurm_cluster, tiny_job, tmp_path, policy_d
     rows = table(tmp_path)
     assert list(rows) == CHECKS and rows["plan"][0] == "PASS", rows
     assert rows["engines started"][0] == "FAIL"
-    assert all(rows[c] == ("SKIP", "after 'engines started' failed") for c in CHECKS[2:]), rows
+    assert rows["NCCL versions"][0] == "SKIP"  # it runs before the engines start
+    assert all(rows[c] == ("SKIP", "after 'engines started' failed") for c in CHECKS[3:]), rows
     assert "preflight: FAILED: engines started" in log

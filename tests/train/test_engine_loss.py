@@ -64,23 +64,21 @@ def _port():
     return free_port()
 
 
-def _loss_fn(rank, world, state, hf_cfg, engine_dir, log_dir):
+def _loss_fn(rank, world, state, hf_cfg, engine_dir, log_dir, pp=1):
     from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
     from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
     from megatron_tg.parallel.state import init_parallel
-    from megatron_tg.train.weight_sync import (SyncChecks, compare_logprobs, engine_logprobs,
-                                               probe_tokens, sync_to_engines, trainer_logprobs)
 
-    ctx = init_parallel(tp=1)
+    ctx = init_parallel(tp=1, pp=pp)
     arch = Qwen3Arch.from_hf(hf_cfg)
-    model = build_model(arch, tp=1)
+    model = build_model(arch, tp=1, pp=pp)
     load_hf_weights(model, state, arch, current_layout(model=model))
     engines = start_engines([engine_dir, engine_dir], log_dir) if rank == 0 else []
     box = [[e.url for e in engines]]
     torch.distributed.broadcast_object_list(box, src=0)
     a, b = box[0]
     try:
-        return _scenario(rank, model, arch, ctx, engines, a, b)
+        return (_scenario if pp == 1 else _admitted_at_pp)(rank, model, arch, ctx, engines, a, b)
     finally:
         for e in engines:
             e.stop()
@@ -162,3 +160,49 @@ def test_lost_engine_leaves_the_group_and_a_returned_one_rejoins_at_the_current_
     assert diff <= 1e-3
     # rank 1 saw the same outcome of every sync (it runs the same pushes, collectively)
     assert [r[:2] + r[3:5] for r in log1] == [r[:2] + r[3:5] for r in log0]
+
+
+def _admitted_at_pp(rank, model, arch, ctx, engines, a, b):
+    """B lost, restarted, admitted, with the trainer in pipeline stages: B must serve the
+    admission's log-prob probe (a /generate to it) before it gets the version and joins."""
+    from megatron_tg.train.weight_sync import SyncChecks, sync_to_engines
+
+    cfg = SimpleNamespace(rollout=SimpleNamespace(sync_bucket_mb=0, pause_mode="retract"))
+    trainer = SimpleNamespace(model=model, arch=arch, ctx=ctx, cfg=cfg, step=0)
+    checks = SyncChecks(verify_coverage=False, probe_interval=1, probe_tol=1e-3, probe_tokens=16)
+    side = _Side([a, b]) if rank == 0 else None
+    out = []
+    for what in ("both", "b dead", "b back"):
+        if rank == 0 and what == "b dead":
+            engines[1].kill()
+        if rank == 0 and what == "b back":
+            engines[1] = restart_engine(engines[1])
+            real, calls = side.client._call, []
+
+            async def recording(url, method, path, body=None, timeout_s=None):  # the real call, noted
+                calls.append((url, path))
+                return await real(url, method, path, body, timeout_s)
+            side.client._call = recording
+        trainer.step += 1
+        m = sync_to_engines(trainer, side, checks)
+        out.append((what, m.get("sync/engines"), m["sync/engines_lost"], m["sync/engines_admitted"]))
+    if rank != 0:
+        return out, None
+    # what B was sent between its return and its joining the group (the version comes last)
+    until = calls.index((b, "/update_weight_version"))
+    probes = sum(1 for url, path in calls[:until] if (url, path) == (b, "/generate"))
+    version = side.call(side.client.get_weight_version())[b]
+    side.call(side.client.destroy_weights_update_group(side.target.group))
+    side.call(side.client.close())
+    return out, (probes, version)
+
+
+def test_a_returned_engine_is_probed_before_it_joins_at_pp2(engine_dir, tmp_path):
+    cfg, _, state = tiny_hf_model(seed=0, num_hidden_layers=LAYERS)
+    (rows, (probes, version)), (rows1, _) = run_distributed(
+        _loss_fn, 2, state, cfg.to_dict(), engine_dir, tmp_path / "logs", 2, timeout=300, pg_timeout_s=120)
+    assert rows == [("both", 2.0, 0.0, 0.0), ("b dead", 1.0, 1.0, 0.0), ("b back", 2.0, 0.0, 1.0)]
+    # the other stage ran the same pushes and the same probe (it holds no group: no engine count)
+    assert [(w, lost, adm) for w, _, lost, adm in rows1] == [(w, lost, adm) for w, _, lost, adm in rows]
+    assert probes == 1, "B joined without serving the admission probe"
+    assert version == "3"

@@ -171,8 +171,9 @@ def test_sync_makes_engine_logprobs_equal_trainer(engine):
 
 def test_probe_and_coverage_check_name_the_engine_and_the_weight(engine):
     """The log-prob probe passes on the weights the engine loaded and stops, naming the
-    engine, when one weight is off; the weight checker's snapshot -> reset -> push ->
-    compare names the weight a push with a misnamed tensor left unwritten."""
+    engine, when one weight is off; the weight checker's checksum -> reset -> push ->
+    checksum (no snapshot in host memory) names the weight a push with a misnamed tensor
+    left unwritten, and only that one."""
     from safetensors.torch import load_file
 
     from megatron_tg.rollout.client import SGLangClient
@@ -209,7 +210,7 @@ def test_probe_and_coverage_check_name_the_engine_and_the_weight(engine):
                 print(bad_diff.value)
                 await push(list(state.items()))()
                 typo = [(n + "_" if n == "model.norm.weight" else n, t) for n, t in state.items()]
-                with pytest.raises(SyncCheckError, match="name=model.norm.weight"):
+                with pytest.raises(SyncCheckError, match=r"1 tensor\(s\), e.g. tp0:model.norm.weight$"):
                     await verify_coverage(client, group, push(typo))
                 await push(list(state.items()))()
                 await verify_coverage(client, group, push(list(state.items())))  # all names right: passes

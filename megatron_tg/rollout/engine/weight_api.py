@@ -219,10 +219,18 @@ class WeightEndpoints:
         body = await self._body(request) if request.method == "POST" else dict(request.query)
         action = str(body.get("action", "checksum"))
         try:
-            await self._call(lambda: self.checker.handle(action, body.get("skip_tensor_list")), drain=False)
+            ranks = await self._call(lambda: self.checker.handle(action, body.get("skip_tensor_list")),
+                                     drain=False)
         except ValueError as exc:
             return _json({"success": False, "message": str(exc)}, 400)
-        return _json({"success": True, "message": "Success."})
+        out: dict[str, Any] = {"success": True, "message": "Success."}
+        if ranks is not None:  # SGLang's reply to checksum: the ranks and their combined hash
+            import hashlib
+
+            out["ranks"] = ranks
+            out["per_engine_checksum"] = hashlib.sha256(
+                "".join(r["per_gpu_checksum"] for r in ranks).encode()).hexdigest()
+        return _json(out)
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await self._body(request) if request.method == "POST" else dict(request.query)

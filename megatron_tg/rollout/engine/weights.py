@@ -88,11 +88,32 @@ class WeightLoader:
 _CHECKER_SKIP = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
 
 
+def tensor_checksum(t: torch.Tensor) -> str:
+    """SGLang 0.5.23's per-tensor checksum on CPU (``mm_utils.tensor_hash``, formatted as
+    ``weight_checker._hash_tensor``): the first 8 bytes of the SHA-256 of its bytes, hex."""
+    import hashlib
+
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return f"{int.from_bytes(hashlib.sha256(memoryview(data)).digest()[:8], 'big'):016x}"
+
+
+def overall_checksum(checksums: dict[str, str]) -> str:
+    """SGLang's ``weight_checker.overall_checksum`` (sorted names, each name then its hash)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
+
+
 class WeightChecker:
     """SGLang's ``/weights_checker`` actions on the embedded model: ``snapshot`` copies every
     parameter and buffer, ``reset_tensors`` overwrites them with random values, ``compare``
-    raises naming each tensor that differs from the snapshot. snapshot -> reset -> sync ->
-    compare therefore names every weight a sync did not write."""
+    raises naming each tensor that differs from the snapshot, ``checksum`` returns a hash per
+    tensor in SGLang's reply shape (one rank: this process). snapshot -> reset -> sync ->
+    compare, or checksum -> reset -> sync -> checksum, name every weight a sync did not write."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -105,7 +126,13 @@ class WeightChecker:
                 yield name, t
 
     @torch.no_grad()
-    def handle(self, action: str, skip_tensor_list: list[str] | None = None) -> None:
+    def handle(self, action: str, skip_tensor_list: list[str] | None = None) -> list[dict] | None:
+        """None, or for ``checksum`` the ``ranks`` list of SGLang's reply (ChecksumInfo per rank)."""
+        if action == "checksum":
+            sums = {n: tensor_checksum(t) for n, t in self._state(skip_tensor_list)}
+            placement = dict(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1)
+            return [{"checksums": sums, "per_gpu_checksum": overall_checksum(sums),
+                     "parallelism_info": [{"role": "target", **placement}]}]
         if action == "snapshot":
             self.snapshot_tensors = {n: t.detach().clone() for n, t in self._state(skip_tensor_list)}
         elif action == "reset_tensors":

@@ -34,8 +34,8 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_tg.auth import KEY_FILE_ENV, bearer, resolve_key, write_key_dir
-from megatron_tg.parallel.ports import free_port
 from megatron_tg.rollout.client import SGLangClient
+from megatron_tg.train.engine_loss import form_target
 from megatron_tg.train.protocols import MakeRolloutSource, RolloutSource, SyncResult, WeightTarget
 from megatron_tg.train.service.server import FactorySpec
 from megatron_tg.train.service.wire import PROTOCOL, config_fingerprint, decode_batch, dumps, loads
@@ -98,10 +98,13 @@ class RolloutServiceClient:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="service-client", daemon=True)
         self._thread.start()
-        r = cfg.rollout
+        r, t = cfg.rollout, cfg.timeouts
+        # The same limits as the in-process side's client (timeouts.*).
         self.client = SGLangClient(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries,
+                                   admin_timeout_s=t.http_admin_s, connect_timeout_s=t.http_connect_s,
+                                   probe_interval_s=t.health_interval_s, health_timeout_s=t.health_s,
                                    api_key=resolve_key(r.api_key_file))
-        self.weight_group = None
+        self.weight_target_: WeightTarget | None = None
 
     # ---- RPC ----------------------------------------------------------------------------
     def _post(self, method: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -164,15 +167,17 @@ class RolloutServiceClient:
         """The weight-update group between trainer rank 0 and the engines, formed here (the
         engines connect to this host): ``rollout.sync_master_address``, else loopback when
         the service started embedded engines beside this trainer, else this host's name."""
-        if self.weight_group is None:
+        if self.weight_target_ is None:
             r = self.cfg.rollout
             local = self.process is not None and self.info.get("engines_started")
             host = r.sync_master_address or ("127.0.0.1" if local else socket.gethostname())
             backend = r.sync_backend if r.sync_backend != "auto" else (
                 "nccl" if r.engine == "sglang" and torch.cuda.is_available() else "gloo")
-            self.weight_group = self.call(self.client.init_weights_update_group(
-                host, free_port(), group_name="tg-weights", backend=backend))
-        return WeightTarget(self.client, self.weight_group)
+            # One target for the run, as in process: engine loss and return replace its
+            # group and count its group names in place (engine_loss.py).
+            self.weight_target_ = form_target(self.call, self.client, host, backend,
+                                              self.cfg.timeouts.weight_sync_s, r.router_url)
+        return self.weight_target_
 
     def run_sync(self, push: Callable[[], Awaitable[SyncResult]], version: int, *,
                  restart: bool = False) -> SyncResult:
@@ -207,8 +212,8 @@ class RolloutServiceClient:
 
     def close(self) -> None:
         try:
-            if self.weight_group is not None:
-                self.call(self.client.destroy_weights_update_group(self.weight_group))
+            if self.weight_target_ is not None:
+                self.call(self.client.destroy_weights_update_group(self.weight_target_.group))
             if self.process is None or self.process.exited() is None:
                 self._call("close")
         finally:
