@@ -21,7 +21,9 @@ accelerator and three of NCCL's rules are enforced at every ``torch.distributed`
    ``ncclDataType`` map: no int16/uint16/uint32/uint64); no bitwise reductions, no AVG of
    bool.
 3. **Backend of every group.** A group is NCCL on GPU unless it was made with an explicit
-   ``backend="gloo"`` (megatron's ``*_gloo`` twins), whose collectives keep gloo's rules.
+   ``backend="gloo"`` (megatron's ``*_gloo`` twins), whose collectives keep gloo's rules. The
+   weight-update group (trainer rank 0 and the engine GPUs; gloo to the CPU engines of the
+   tests) is NCCL with SGLang engines: its trainer-side broadcasts are checked too.
 
 Limits (what this cannot see): a buffer that is written ``torch.device("cpu")`` literally is
 taken for the accelerator (host buffers are written ``"cpu"`` or ``.cpu()`` in this code
@@ -289,6 +291,18 @@ def enable() -> None:
         setattr(dist, op, _checked(op, getattr(dist, op)))
     dist.batch_isend_irecv = _checked_batch(dist.batch_isend_irecv)
     dist.new_group = _recording_new_group(dist.new_group)
+    # The weight-update group (trainer rank 0 + engine GPUs) broadcasts through its
+    # ProcessGroup directly, as SGLang's side does; with SGLang engines it is NCCL.
+    from megatron_tg.rollout.engine.weights import WeightUpdateGroup
+
+    plain = WeightUpdateGroup.broadcast
+
+    def broadcast(self, tensor):
+        check_tensor("the weight-update group's broadcast", tensor, None, "tensor")
+        return plain(self, tensor)
+
+    broadcast.__wrapped_nccl_rules__ = plain
+    WeightUpdateGroup.broadcast = broadcast
     mode = Placement()
     mode.__enter__()
     _STATE["mode"] = mode
@@ -299,6 +313,10 @@ def disable() -> None:
     if not _STATE:
         return
     _STATE.pop("mode").__exit__(None, None, None)
+    from megatron_tg.rollout.engine.weights import WeightUpdateGroup
+
+    WeightUpdateGroup.broadcast = getattr(WeightUpdateGroup.broadcast, "__wrapped_nccl_rules__",
+                                          WeightUpdateGroup.broadcast)
     for name in list(_SPECS) + ["batch_isend_irecv", "new_group"]:
         fn = getattr(dist, name)
         setattr(dist, name, getattr(fn, "__wrapped_nccl_rules__", fn))
