@@ -287,8 +287,12 @@ def enable() -> None:
         return
     if torch.cuda.is_available():
         return  # real NCCL enforces its own rules
+    from torch.distributed import distributed_c10d as c10d
+
     for op in _SPECS:
         setattr(dist, op, _checked(op, getattr(dist, op)))
+    for op in ("isend", "irecv"):  # P2POp accepts only c10d's own isend/irecv objects
+        setattr(c10d, op, getattr(dist, op))
     dist.batch_isend_irecv = _checked_batch(dist.batch_isend_irecv)
     dist.new_group = _recording_new_group(dist.new_group)
     # The weight-update group (trainer rank 0 + engine GPUs) broadcasts through its
@@ -317,9 +321,13 @@ def disable() -> None:
 
     WeightUpdateGroup.broadcast = getattr(WeightUpdateGroup.broadcast, "__wrapped_nccl_rules__",
                                           WeightUpdateGroup.broadcast)
+    from torch.distributed import distributed_c10d as c10d
+
     for name in list(_SPECS) + ["batch_isend_irecv", "new_group"]:
         fn = getattr(dist, name)
         setattr(dist, name, getattr(fn, "__wrapped_nccl_rules__", fn))
+    for op in ("isend", "irecv"):
+        setattr(c10d, op, getattr(dist, op))
     _GLOO_GROUPS.clear()
 
 

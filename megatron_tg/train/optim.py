@@ -61,8 +61,10 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
     from megatron.core import parallel_state as mps
 
     tp_rank = mps.get_tensor_model_parallel_rank()
-    dense = torch.zeros((), dtype=torch.float64)
-    expert = torch.zeros((), dtype=torch.float64)
+    # On the parameters' device: the sums are all-reduced over NCCL groups on GPU.
+    device = params[0].device if params else torch.device("cpu")
+    dense = torch.zeros((), dtype=torch.float64, device=device)
+    expert = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
         if g is None:
