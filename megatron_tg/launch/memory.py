@@ -14,8 +14,17 @@ Trainer GPU (the most loaded pipeline stage; bytes per GPU):
 * ``activations``  what autograd keeps for one micro-batch of ``optimizer.micro_batch_tokens``
   (:func:`activation_bytes`), times the micro-batches a 1F1B pipeline holds on stage 0;
 * ``kl_chunks``    the vocab-parallel ops' blocks: 4.3 x chunk x V/TP fp32 (measured by
-  benchmarks/kl_memory.py, benchmarks/README.md) plus the expert's final hidden states, kept
-  for the KL until the student pass;
+  benchmarks/kl_memory.py, benchmarks/README.md);
+* ``expert_states`` the expert's final hidden states ``[G, H]`` bf16 that the KL reads, one
+  micro-batch's (upper bound: every token gated). When the expert pass runs ahead of the
+  student pass (PP > 1, a frozen/EMA expert, or prefix reuse off) ``run_step`` keeps every
+  micro-batch's states until the student pass; on GPU it parks them in pinned host memory and
+  moves one micro-batch's back at its loss (:func:`megatron_tg.train.step.park`), so the GPU
+  holds one micro-batch's and the host the step's: ``host_expert_states`` in the notes and
+  JSON (the DP rank's rollouts of one step x max context, every token gated);
+* ``prefix_kv``    prefix reuse (shared expert, PP 1): the student's keys and values of every
+  layer of one micro-batch, kept by ``record_kv`` until the expert pass; under full recompute
+  they are extra (otherwise autograd keeps the same tensors for the backward: in activations);
 * ``expert_copy``  objective.expert: "frozen" = bf16 weights; "ema" = bf16 weights plus an fp32
   copy sharded over data-parallel ranks like the optimizer's master weights; "shared" = 0;
 * ``weight_sync``  one TP-merged, EP-gathered parameter (the largest) plus one bucket
@@ -183,6 +192,8 @@ class RolePlan:
     """Engines only: KV-cache tokens, what the in-flight rollouts need, fit or queue."""
     fixes: dict[str, str] = field(default_factory=dict)
     """Per term, the setting that shrinks it here, where it differs from :data:`FIXES`."""
+    host: dict[str, float] = field(default_factory=dict)
+    """Bytes per GPU held in host memory (not GPU terms), e.g. parked expert states."""
     usable_fraction: float = USABLE_FRACTION
     """Share of the GPU the terms may take. Engines: 1.0, SGLang's reserve is one of the terms."""
 
@@ -199,8 +210,11 @@ class RolePlan:
         return max(self.terms, key=self.terms.get)
 
     def as_json(self) -> dict[str, Any]:
-        return {"terms_gib": {k: round(v / GIB, 3) for k, v in self.terms.items()},
-                "total_gib": round(self.total / GIB, 3), "fits": self.fits(), "notes": self.notes}
+        out = {"terms_gib": {k: round(v / GIB, 3) for k, v in self.terms.items()},
+               "total_gib": round(self.total / GIB, 3), "fits": self.fits(), "notes": self.notes}
+        if self.host:
+            out["host_gib"] = {k: round(v / GIB, 3) for k, v in self.host.items()}
+        return out
 
 
 def _in_flight(cfg: TGConfig, dims: ParallelDims, rollout_tokens: int) -> int:
@@ -226,8 +240,16 @@ def train_plan(cfg: TGConfig, arch: Qwen3Arch, dims: ParallelDims) -> RolePlan:
     vpad = padded_vocab_size(arch.vocab_size, dims.tp)
     chunk = min(cfg.objective.logits_chunk_size, mbt)
     kl = KL_BLOCKS * chunk * vpad / dims.tp * FP32
-    if cfg.objective.mode not in ("grpo",):
-        kl += BF16 * arch.hidden_size * mbt / dims.cp  # the expert's final hidden states
+    guided = cfg.objective.mode not in ("grpo",)
+    expert_states = BF16 * arch.hidden_size * mbt / dims.cp if guided else 0.0
+    prefix_reuse = (guided and cfg.objective.expert == "shared" and cfg.objective.expert_prefix_reuse
+                    and dims.pp == 1)
+    r = cfg.rollout
+    step_tokens = r.prompts_per_step * r.group_size * r.max_context_tokens / dims.dp / dims.cp
+    host_states = BF16 * arch.hidden_size * step_tokens if guided and not prefix_reuse else 0.0
+    kv_local = max(arch.num_key_value_heads // dims.tp, 1)
+    prefix_kv = (2 * (arch.num_layers // dims.pp) * mbt * kv_local * arch.head_dim * BF16
+                 if prefix_reuse and cfg.model.recompute == "full" else 0.0)
     expert = {"shared": 0.0, "frozen": wb * s.params,
               "ema": wb * s.params + FP32 * sharded}[cfg.objective.expert]
     syncs = cfg.rollout.engine == "sglang"
@@ -235,15 +257,20 @@ def train_plan(cfg: TGConfig, arch: Qwen3Arch, dims: ParallelDims) -> RolePlan:
     terms = {"weights": wb * s.params, "gradients": FP32 * s.params,
              "optimizer": opt_per_param * sharded, "activations": act["layers"],
              "recompute_working_set": act["recompute_working_set"],
-             "output_layer_input": act["output_input"], "kl_chunks": kl, "expert_copy": expert,
+             "output_layer_input": act["output_input"], "kl_chunks": kl,
+             "expert_states": expert_states, "prefix_kv": prefix_kv, "expert_copy": expert,
              "weight_sync": sync, "runtime": RUNTIME_RESERVE_GIB * GIB}
     notes = [f"stage {s.pp_stage} of {dims.pp}: {s.dense_params:,} dense + {s.expert_params:,} "
              f"expert params per GPU; recompute={cfg.model.recompute}, micro-batch {mbt:,} tokens"]
+    if host_states:
+        notes.append(f"host memory: the step's expert states, parked in pinned memory between the "
+                     f"expert and student passes: {host_states / GIB:.1f} GiB per GPU (upper bound: "
+                     f"{step_tokens:,.0f} tokens per DP rank, every one gated)")
     fixes = {}
     if cfg.parallel.use_distributed_optimizer:
         fixes["optimizer"] = (f"more trainer nodes (parallel.nodes={cfg.parallel.nodes}: the optimizer "
                               f"already shards over dp={dims.dp * dims.cp}, edp={dims.edp})")
-    return RolePlan("train", terms, notes, fixes=fixes)
+    return RolePlan("train", terms, notes, fixes=fixes, host={"expert_states": host_states})
 
 
 def sglang_default_mem_fraction(gpu_mib: float, tp: int) -> float:
@@ -315,6 +342,8 @@ FIXES = {
     "recompute_working_set": "a smaller optimizer.micro_batch_tokens or parallel.cp / parallel.tp",
     "output_layer_input": "a smaller optimizer.micro_batch_tokens or parallel.cp",
     "kl_chunks": "a smaller objective.logits_chunk_size",
+    "expert_states": "a smaller optimizer.micro_batch_tokens or parallel.cp",
+    "prefix_kv": "a smaller optimizer.micro_batch_tokens, or objective.expert_prefix_reuse=false",
     "expert_copy": "objective.expert=shared, or more trainer nodes (EMA's fp32 copy shards over DP)",
     "weight_sync": "a smaller rollout.sync_bucket_mb",
     "runtime": "nothing in the recipe (CUDA/NCCL reserve)",

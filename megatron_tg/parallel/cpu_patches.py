@@ -8,7 +8,9 @@ code the cluster runs. Measured on megatron-core 0.16.1 and 0.19.2.
 
 1. ``torch.cuda.current_device()`` is used as an *allocation device* at ~40 sites
    (tensor_parallel.mappings/layers, rotary embeddings, the MoE router, gpt_model, the DDP
-   grad buffers). We make it return ``"cpu"`` so those allocations land on the CPU.
+   grad buffers). We make it return the CPU device (a ``torch.device``, which the NCCL-rules
+   test policy, :mod:`megatron_tg.testing.nccl_rules`, reads as the accelerator) so those
+   allocations land on the CPU.
 2. ``torch.cuda.synchronize`` is called around torch_dist checkpoint saves: a no-op here.
    0.19.x's DDP grad sync asks for ``torch.cuda.current_stream()`` to wait on CUDA-graph
    events; on CPU there is one implicit stream, so a null stream (every wait a no-op)
@@ -116,7 +118,7 @@ class _NullStream:
 
 def _patch_torch_cuda() -> None:
     # (1) allocation device; (2) synchronize around checkpoint saves, streams in DDP.
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
@@ -280,8 +282,11 @@ def _patch_moe() -> None:
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
 
 
+_CPU = torch.device("cpu")
+
+
 def _host_device(device):
-    return "cpu" if device is not None and torch.device(device).type == "cuda" else device
+    return _CPU if device is not None and torch.device(device).type == "cuda" else device
 
 
 class _CPUFactories:
@@ -307,7 +312,9 @@ _TENSOR_TYPE = torch.Tensor.type
 
 def _type_with_cuda_names(self, dtype=None, non_blocking=False, **kwargs):
     if dtype is None and not kwargs and self.device.type == "cpu":
-        return _TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+        name = _TENSOR_TYPE(self)
+        # A TorchFunctionMode (the NCCL-rules test policy) may route the inner call back here.
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
     return _TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
 
 

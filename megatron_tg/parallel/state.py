@@ -86,6 +86,12 @@ def init_parallel(dims: ParallelDims | None = None, *, tp: int = 1, pp: int = 1,
         from megatron_tg.parallel.cpu_patches import apply_cpu_patches
 
         apply_cpu_patches()
+        if os.environ.get("MEGATRON_TG_COMM_RULES") == "nccl":
+            # The CPU test policy with NCCL's rules (megatron_tg/testing/nccl_rules.py), for
+            # trainer processes that tests start through a launcher, not run_distributed.
+            from megatron_tg.testing import nccl_rules
+
+            nccl_rules.enable()
     if on_gpu:
         torch.cuda.set_device(launch.local_rank)
     if not dist.is_initialized():

@@ -8,6 +8,10 @@ rank's traceback is re-raised in the parent, naming the rank).
 The function must be importable at module level (spawn pickles it by reference). It is
 called as ``fn(rank, world_size, *args)`` after ``torch.distributed`` is initialised;
 whatever it returns must be picklable (tensors are moved to CPU and detached).
+
+``comm_rules="nccl"`` (default: the ``MEGATRON_TG_COMM_RULES`` environment variable, else
+plain gloo) runs every rank under :mod:`megatron_tg.testing.nccl_rules`, so that a
+collective NCCL would refuse on GPU fails the test here.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
-            queue: "mp.Queue", threads: int, pg_timeout_s: float | None = None) -> None:
+            queue: "mp.Queue", threads: int, pg_timeout_s: float | None = None,
+            comm_rules: str = "gloo") -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -46,6 +51,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
     try:
         extra = {} if pg_timeout_s is None else {"timeout": datetime.timedelta(seconds=pg_timeout_s)}
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **extra)
+        if comm_rules == "nccl":
+            from megatron_tg.testing import nccl_rules
+
+            nccl_rules.enable()
         result = fn(rank, world_size, *args)
         # Plain bytes, not tensors: torch's queue pickling shares tensor storage through file
         # descriptors that die with this process, which may exit before the parent reads.
@@ -61,17 +70,20 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
                     timeout: float = 600.0, threads_per_rank: int = 1,
-                    pg_timeout_s: float | None = None) -> list[Any]:
+                    pg_timeout_s: float | None = None, comm_rules: str | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     Raises ``RuntimeError`` carrying the first failing rank's traceback, or on timeout.
     """
+    from megatron_tg.testing.nccl_rules import from_env
+
+    rules = from_env(comm_rules)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue,
-                                          threads_per_rank, pg_timeout_s), daemon=False)
+                                          threads_per_rank, pg_timeout_s, rules), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

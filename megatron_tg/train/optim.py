@@ -61,8 +61,10 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
     from megatron.core import parallel_state as mps
 
     tp_rank = mps.get_tensor_model_parallel_rank()
-    dense = torch.zeros((), dtype=torch.float64)
-    expert = torch.zeros((), dtype=torch.float64)
+    # On the parameters' device: the sums are all-reduced over NCCL groups on GPU.
+    device = params[0].device if params else torch.device("cpu")
+    dense = torch.zeros((), dtype=torch.float64, device=device)
+    expert = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
         if g is None:
@@ -189,6 +191,35 @@ class CPUAdamW:
         self.opt.load_state_dict(state)
 
 
+def _main_param(opt, model_param: torch.nn.Parameter) -> torch.Tensor:
+    """The distributed optimizer's fp32 main shard of ``model_param``, read from its param
+    groups without touching ``opt.optimizer.state``.
+
+    megatron's ``_get_main_param_and_optimizer_states`` reads ``optimizer.state[main]``, which
+    for a torch optimizer (a defaultdict) creates an empty entry. Before a load that is what
+    loses Adam's moments: ``DistributedOptimizer.load_state_dict`` allocates the moments to
+    load into only while the state is empty, so it then loads ``param`` alone, and FusedAdam's
+    first step initialises empty entries to zeros (tests/train/test_fused_adam_resume.py)."""
+    if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        # The master copy then lives in the optimizer's state (FusedAdam master_weights).
+        raise ValueError("the EMA expert reads the distributed optimizer's main parameters, "
+                         "which use_precision_aware_optimizer keeps inside the optimizer state; "
+                         "use objective.expert=shared/frozen or turn it off")
+    group_index, group_order = opt.model_param_group_index_map[model_param]
+    return opt.optimizer.param_groups[group_index]["params"][group_order]
+
+
+def _drop_empty_states(opt) -> int:
+    """Remove empty per-parameter entries from a distributed optimizer's inner state (what a
+    read of ``state[p]`` leaves), so that megatron allocates every moment before a load
+    instead of loading into nothing. Returns how many were dropped."""
+    state = opt.optimizer.state
+    empty = [k for k, v in state.items() if not v]
+    for k in empty:
+        del state[k]
+    return len(empty)
+
+
 class MegatronOptimizer:
     """megatron-core's optimizer (distributed when ``use_distributed_optimizer``).
 
@@ -240,8 +271,7 @@ class MegatronOptimizer:
                     for p in buf.params:
                         if p in opt.model_param_group_index_map:
                             r = opt._get_model_param_range_map(p)["param"]
-                            main = opt._get_main_param_and_optimizer_states(p)["param"].view(-1)
-                            start = r.start
+                            main, start = _main_param(opt, p).view(-1), r.start
                         else:
                             main, start = torch.empty(0, device=p.device), 0
                         out.append(MainShard(param=p, main=main, start=start,
@@ -277,6 +307,11 @@ class MegatronOptimizer:
         supported``, so the checkpointer passes ``dp_reshardable``. ``is_loading`` lets megatron
         allocate the Adam state it is about to load into."""
         if is_loading:
+            from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+            for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+                if isinstance(opt, DistributedOptimizer):
+                    _drop_empty_states(opt)
             self._materialise_torch_adam_state()
         state = self.opt.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
                                             metadata=metadata)
@@ -296,8 +331,6 @@ class MegatronOptimizer:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
-            # Not "state is empty": reading a main parameter (main_shards) leaves empty
-            # per-parameter entries in torch's state defaultdict.
             if (isinstance(opt, DistributedOptimizer)
                     and isinstance(opt.optimizer, torch.optim.AdamW)
                     and not any("step" in st for st in opt.optimizer.state.values())):

@@ -85,10 +85,13 @@ def build_pass_plan(batches: Sequence, *, ep: int, group=None) -> PassPlan:
     if ep == 1:
         return PassPlan(tuple(Passes(i, ExpertPass.REAL if e else ExpertPass.NONE)
                               for i, e in enumerate(own)))
-    n = torch.tensor([len(batches)], dtype=torch.long)
+    # On the device: the group is NCCL on GPU, which refuses host tensors.
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    n = torch.tensor([len(batches)], dtype=torch.long, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-    flags = torch.zeros(int(n), dtype=torch.long)
-    flags[: len(own)] = torch.tensor(own, dtype=torch.long)
+    flags = torch.zeros(int(n), dtype=torch.long, device=device)
+    flags[: len(own)] = torch.tensor(own, dtype=torch.long, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     passes = []
     for i, anyone in enumerate(flags.tolist()):

@@ -8,7 +8,10 @@ under pipeline parallelism, ``forward_backward_no_pipelining`` at PP = 1 — twi
    :class:`~megatron_tg.train.pass_plan.PassPlan` gives an expert pass. The last stage
    keeps only the hidden states at the gated rows, ``[G, H]`` per micro-batch (and a
    separate expert's output weight); every other activation is freed before step 2. Dummy
-   passes (expert-parallel lock-step) forward the student rows and keep nothing.
+   passes (expert-parallel lock-step) forward the student rows and keep nothing. The step's
+   kept states are parked in pinned host memory on GPU (:func:`park`) and each micro-batch's
+   come back at its loss: at 235B they would otherwise hold up to 32 GiB of the GPU for the
+   whole step (``megatron-tg memory``: ``expert_states`` and the host note).
 2. **Student pass** (forward-backward schedule) over every micro-batch of the plan; the
    loss is computed on the last stage from the student's hidden states and the kept
    expert states. Padding micro-batches have loss weight 0.
@@ -118,6 +121,16 @@ def _from_last_stage(obj):
     return box[0]
 
 
+def park(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in pinned host memory when it is on a GPU (copied on the current stream, so a
+    later move back is ordered after it); unchanged on CPU."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 def _expert_step(data_iterator, model):
     _, mb, kind = next(data_iterator)
     out = forward_rows(model, mb.expert if kind is ExpertPass.REAL else mb.student)
@@ -125,7 +138,7 @@ def _expert_step(data_iterator, model):
     def keep(output_tensor, non_loss_data=True):
         if kind is not ExpertPass.REAL:  # a dummy pass: its all-to-alls were the point
             return None
-        return select_rows(output_tensor, mb.expert_rows).detach(), out.output_weight.detach()
+        return park(select_rows(output_tensor, mb.expert_rows).detach()), out.output_weight.detach()
 
     return out.hidden, keep
 
@@ -184,6 +197,8 @@ def run_step(model: torch.nn.Module, objective: TGObjective, batches: Sequence[M
 
     def loss_fn(i, mb, student, expert, output_tensor):
         eh, ew = expert if expert is not None else (None, None)
+        if eh is not None and eh.device != output_tensor.device:  # parked by the expert pass
+            eh = eh.to(output_tensor.device, non_blocking=True)
         batch = PolicyBatch(
             target_ids=mb.target_ids, behaviour_logprobs=mb.behaviour_logprobs,
             loss_mask=mb.loss_mask, rollout_index=mb.rollout_index, advantages=mb.advantages,

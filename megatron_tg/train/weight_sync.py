@@ -18,8 +18,10 @@ all-gathered over its TP group (expert-TP for experts), merged with the mapping'
 :func:`merge_tp_shards`, all-gathered over EP for experts, converted to HF tensors, and
 copied into the one preallocated bucket on global rank 0, which broadcasts the bucket when
 the next tensor does not fit. A later pipeline stage streams its parameters to rank 0 the
-same way over the PP group. Peak extra memory per rank: one merged parameter (all experts of
-one weight kind under EP) with its gather buffers, plus one bucket (rank 0 only).
+same way, point to point over the PP group (NCCL on GPU) into receive buffers on rank 0's
+device, one parameter at a time (docs/weight-sync-pipeline.md: why a relay and not one
+sender per stage). Peak extra memory per rank: one merged parameter (all experts of one
+weight kind under EP) with its gather buffers, plus one bucket (rank 0 only).
 
 **Proof the engines serve the new weights** (:class:`SyncChecks`): once, SGLang's weight
 checker runs checksum -> reset_tensors -> sync -> checksum, which names every weight the
@@ -101,37 +103,43 @@ def iter_hf_weights(model: torch.nn.Module, arch: Qwen3Arch, ctx) -> Iterator[tu
         src = dist.get_global_rank(pp_group, stage) if on_path else None
         names = list(params) if mine else None
         if relay:
-            names = _p2p_object(names, src)
+            names = _p2p_object(names, src, pp_group)
         for name in names:
             keep = ctx.rank == 0 or (relay and mine)
             pieces = _param_to_hf(name, params[name], arch, layout, ctx, ep_group, keep) if mine else []
             if relay:
-                pieces = _p2p_tensors(pieces, src)
+                pieces = _p2p_tensors(pieces, src, pp_group, ctx.device)
             if ctx.rank == 0:
                 yield from pieces
             del pieces
 
 
-def _p2p_object(obj, src: int):
-    """``obj`` from global rank ``src`` to global rank 0 (the caller is one of the two)."""
+def _p2p_object(obj, src: int, group):
+    """``obj`` from global rank ``src`` to global rank 0 over ``group`` (the PP group both
+    are in; the caller is one of the two)."""
     box = [obj]
     if dist.get_rank() == src:
-        dist.send_object_list(box, dst=0)
+        dist.send_object_list(box, dst=0, group=group)
     else:
-        dist.recv_object_list(box, src=src)
+        dist.recv_object_list(box, src=src, group=group)
     return box[0]
 
 
-def _p2p_tensors(pieces, src: int):
-    """One parameter's HF tensors from global rank ``src`` to global rank 0."""
-    meta = _p2p_object([(n, t.dtype, tuple(t.shape)) for n, t in pieces] if pieces else None, src)
+def _p2p_tensors(pieces, src: int, group, device: torch.device):
+    """One parameter's HF tensors from global rank ``src`` to global rank 0 over ``group``.
+
+    The receive buffers are on ``device`` (the parallel context's: the GPU under NCCL, which
+    refuses host tensors); rank 0 then packs them into its bucket, so it holds one relayed
+    parameter at a time, like the parameters of its own stage."""
+    meta = _p2p_object([(n, t.dtype, tuple(t.shape)) for n, t in pieces] if pieces else None, src,
+                       group)
     out = []
     for i, (n, dtype, shape) in enumerate(meta):
         if dist.get_rank() == src:
-            dist.send(pieces[i][1].contiguous(), dst=0)
+            dist.send(pieces[i][1].contiguous(), dst=0, group=group)
         else:
-            t = torch.empty(shape, dtype=dtype)
-            dist.recv(t, src=src)
+            t = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(t, src=src, group=group)
             out.append((n, t))
     return out
 

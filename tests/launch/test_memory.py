@@ -222,3 +222,32 @@ def test_coverage_check_host_memory_is_checksums_not_a_snapshot():
                                               "rollout.sync_verify_coverage=false"])
     engine = memory_plan(off).roles["engine"]
     assert "coverage_check" not in engine.kv and not any("coverage" in n for n in engine.notes)
+
+
+def test_expert_states_and_prefix_kv_are_counted():
+    """The expert's final hidden states and the prefix-reuse key/value store have terms: at
+    tg_30b (shared expert, prefix reuse, full recompute) the store of one 64k micro-batch is
+    2 x 48 layers x 65,536 tokens x 2 KV heads per TP rank x 128 x 2 B = 3.0 GiB; at tg_235b
+    and tg_480b (PP 2: the expert pass runs ahead) the GPU holds one micro-batch's expert
+    states and the host the step's (parked by the step): 1,024 rollouts x 65,536 tokens / DP
+    16 x 4,096 x 2 B = 32 GiB, and 38.4 GiB at 480B (DP 20, H 6,144)."""
+    from megatron_tg.config import load_config
+    from megatron_tg.launch.memory import GIB, memory_plan
+
+    plans = {name: memory_plan(load_config(str(ROOT / "recipes" / f"{name}.yaml"),
+                                           [f"model.hf_config={HF / fixture}"]))
+             for name, fixture in RECIPES.items()}
+    t30, t235, t480 = (plans[n].roles["train"] for n in ("tg_30b", "tg_235b", "tg_480b"))
+    assert t30.terms["prefix_kv"] == 2 * 48 * 65536 * 2 * 128 * 2 == 3 * GIB
+    assert t30.terms["expert_states"] == 2 * 2048 * 65536 and not t30.host["expert_states"]
+    assert t235.terms["prefix_kv"] == 0 and t235.terms["expert_states"] == 2 * 4096 * 65536
+    assert t235.host["expert_states"] == 32 * 32 * 65536 / 16 * 4096 * 2 == 32 * GIB
+    assert t480.host["expert_states"] == pytest.approx(32 * 32 * 65536 / 20 * 6144 * 2)
+    assert any("host memory" in n and "32.0 GiB" in n for n in t235.notes)
+    # the store is the activations' own tensors unless recompute frees those
+    sel = memory_plan(load_config(str(ROOT / "recipes" / "tg_30b.yaml"),
+                                  [f"model.hf_config={HF / RECIPES['tg_30b']}",
+                                   "model.recompute=selective"])).roles["train"]
+    assert sel.terms["prefix_kv"] == 0
+    assert all(p.fits() for p in plans["tg_30b"].roles.values())
+    assert t235.fits() and t480.fits()

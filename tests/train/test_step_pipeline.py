@@ -20,6 +20,8 @@ from megatron_tg.testing.distributed import run_distributed
 from tests.models.qwen3_moe.common import tiny_hf_model
 from tests.train.common import compare_step, make_samples, step_rank_fn
 
+pytestmark = pytest.mark.usefixtures("comm_rules")
+
 CONFIGS = [ObjectiveConfig(mode="tg", kl_direction="reverse", kl_coef=0.5),
            ObjectiveConfig(mode="tg", kl_direction="jsd", kl_coef=0.5, expert="frozen")]
 MICRO = 2  # micro-batches per DP rank
