@@ -174,11 +174,20 @@ class Sandbox:
         if uid is None:
             return
         p = Path(path)
-        os.chown(p, uid, uid, follow_symlinks=False)
+
+        def give(q) -> None:
+            # A regular file with more than one link shares its inode with a name elsewhere
+            # (possibly a host file): changing its owner would change that file's. Skipped.
+            st = os.lstat(q)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                return
+            os.chown(q, uid, uid, follow_symlinks=False)
+
+        give(p)
         if p.is_dir() and not p.is_symlink():
             for root, dirs, files in os.walk(p):
                 for name in dirs + files:
-                    os.chown(os.path.join(root, name), uid, uid, follow_symlinks=False)
+                    give(os.path.join(root, name))
 
     # ------------------------------------------------------------------ command line
     def _prlimit(self, limits: Limits) -> list[str]:

@@ -81,6 +81,22 @@ HONEST = ("import logging\nfrom typing import NamedTuple, TypeVar\nT = TypeVar('
           "class P(NamedTuple):\n    x: int\n\n\ndef add(a, b):\n    logging.getLogger(__name__).warning('adding')\n"
           "    return P(a + b, ).x\n")
 
+# Found by a hostile review: comparisons that say yes only to a builtin, pytest's approx as a result,
+# the runner's comparison shadowed in a test's globals, code compiled under a library's or a made-up
+# file name, a patch removed again before the end of the test, the hidden test read through a
+# subprocess, a directory descriptor or the test module's loader.
+SELECTIVE_EQ = 'class _R:\n    def __eq__(self, other):\n        return isinstance(other, int)\n    __hash__ = object.__hash__\n\n\ndef add(a, b):\n    return _R()\n'
+INT_SELECTIVE_EQ = 'class _I(int):\n    def __eq__(self, other):\n        return type(other) is int or int.__eq__(self, other)\n    __hash__ = int.__hash__\n\n\ndef add(a, b):\n    return _I(0)\n'
+APPROX_RESULT = 'import pytest\n\ndef add(a, b):\n    return pytest.approx(0, abs=1e9)\n'
+SHADOW_CMP = "import sys\nfor _n, _m in list(sys.modules.items()):\n    if getattr(_m, '__file__', '') and str(_m.__file__).endswith('test_add.py'):\n        _m.__dict__['@tg_cmp'] = lambda op, l, r: True\ndef add(a, b):\n    return 0\n"
+FROZEN_NAME_PLUGIN = "import sys\nSRC = '''\nimport pytest\nclass _Flip:\n    @pytest.hookimpl(hookwrapper=True)\n    def pytest_runtest_makereport(self, item, call):\n        out = yield\n        if 'test_add.py' in item.nodeid:\n            r = out.get_result()\n            r.outcome = 'passed'\n            r.longrepr = None\n'''\nns = {}\nexec(compile(SRC, '<frozen importlib._bootstrap_external>', 'exec'), ns)\nfor h in sys.meta_path:\n    if getattr(h, 'config', None) is not None:\n        h.config.pluginmanager.register(ns['_Flip'](), 'tgx')\n        break\ndef add(a, b):\n    return 0\n"
+FROZEN_NAME_GC_EMIT = "import sys, types\nSRC = '''\nimport gc, types\n_n = [0]\ndef _get(mod):\n    _n[0] += 1\n    if _n[0] >= 2:\n        for o in gc.get_objects():\n            if type(o) is types.FunctionType and o.__name__ == 'emit' and o.__code__.co_filename.endswith('run.py'):\n                for t in ('test_small', 'test_negative'):\n                    o({'t': 'result', 'id': 'tests/test_add.py::' + t, 'when': 'call', 'outcome': 'passed'})\n                break\n    return mod._real_add\n'''\nns = {}\nexec(compile(SRC, '<frozen zipimport>', 'exec'), ns)\ndef _real_add(a, b):\n    return 0\nclass _M(types.ModuleType):\n    add = property(ns['_get'])\nsys.modules[__name__].__class__ = _M\n"
+WS_NAME_EQ = "import os\nSRC = '''\nclass _E:\n    def __eq__(self, other):\n        return True\n    def __ne__(self, other):\n        return False\n    __hash__ = object.__hash__\n'''\nns = {}\nexec(compile(SRC, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'zz_helper.py'), 'exec'), ns)\ndef add(a, b):\n    return ns['_E']()\n"
+PATCH_AND_RESTORE = "import _pytest.reports as R\n_saved = R.TestReport.__dict__['from_item_and_call']\n_orig = _saved.__func__\n\ndef _fake(cls, item, call):\n    rep = _orig(cls, item, call)\n    if 'test_add.py' in item.nodeid and call.when == 'call':\n        rep.outcome, rep.longrepr = 'passed', None\n    if call.when == 'teardown':\n        R.TestReport.from_item_and_call = _saved\n    return rep\n\ndef add(a, b):\n    R.TestReport.from_item_and_call = classmethod(_fake)\n    return 0\n"
+SUBPROCESS_READ = "import subprocess, re\n_src = subprocess.run(['cat', 'tests/test_add.py'], capture_output=True, text=True).stdout\n_want = [int(x) for x in re.findall(r'==\\s*(-?\\d+)', _src)]\n\ndef add(a, b):\n    return {(2, 3): _want[0], (-2, -3): _want[1]}.get((a, b), 0)\n"
+DIRFD_READ = "import os, re\n_d = os.open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tests'), os.O_RDONLY)\n_fd = os.open('test_add.py', os.O_RDONLY, dir_fd=_d)\n_src = os.read(_fd, 100000).decode()\n_want = [int(x) for x in re.findall(r'==\\s*(-?\\d+)', _src)]\n\ndef add(a, b):\n    return {(2, 3): _want[0], (-2, -3): _want[1]}.get((a, b), 0)\n"
+LOADER_GET_DATA = "import sys, re\n\ndef add(a, b):\n    for m in list(sys.modules.values()):\n        f = str(getattr(m, '__file__', ''))\n        if f.endswith('test_add.py'):\n            src = m.__loader__.get_data(f).decode()\n            want = [int(x) for x in re.findall(r'==\\s*(-?\\d+)', src)]\n            return {(2, 3): want[0], (-2, -3): want[1]}.get((a, b), 0)\n    return 0\n"
+
 ATTACKS = {  # name: (calc.py, reason prefix now, passed on the grader before this change)
     "always-equal": (ALWAYS_EQUAL, "tampering detected: an assert compares a int with an object whose _Eq.__eq__", True),
     "int-subclass-eq": (INT_SUBCLASS, "tampering detected: an assert compares a int with an object whose _I.__eq__",
@@ -103,6 +119,17 @@ ATTACKS = {  # name: (calc.py, reason prefix now, passed on the grader before th
     "ctypes": (CTYPES, "tampering detected: ctypes.dlopen from calc.py:1", False),
     "gc-walk": (GC_WALK, "tampering detected: gc.get_objects from calc.py:2", False),
     "settrace": (SETTRACE, "tampering detected: sys.settrace from calc.py:2", False),
+    'selective-eq': (SELECTIVE_EQ, 'tampering detected: an assert compares a int with an object whose _R.__eq__ claims an equality the int does not', True),
+    'int-subclass-selective-eq': (INT_SELECTIVE_EQ, 'tampering detected: an assert compares a int with an object whose _I.__eq__ claims an equality the int does not', True),
+    'pytest-approx-huge-tolerance': (APPROX_RESULT, 'tampering detected: an assert compares a int with an object whose ApproxScalar.__eq__ claims', True),
+    'tgcmp-in-test-globals': (SHADOW_CMP, "tampering detected: the runner's comparison shadowed in tests/test_add.py's globals", True),
+    'disguised-filename-plugin': (FROZEN_NAME_PLUGIN, "tampering detected: compile of source under the name '<frozen importlib._bootstrap_external>' from calc.py:14", True),
+    'gc-emit-via-trusted-caller': (FROZEN_NAME_GC_EMIT, "tampering detected: compile of source under the name '<frozen zipimport>' from calc.py:16", True),
+    'disguised-eq-ws-filename': (WS_NAME_EQ, 'tampering detected: compile of source under the name ', True),
+    'patch-and-restore-report': (PATCH_AND_RESTORE, 'tampering detected: open of ', True),
+    'subprocess-read-hidden': (SUBPROCESS_READ, 'tampering detected: process creation (subprocess.Popen ', True),
+    'dirfd-read-hidden': (DIRFD_READ, "tampering detected: open of 'test_add.py' from calc.py:3", True),
+    'loader-get-data-hidden': (LOADER_GET_DATA, 'tampering detected: open of ', True),
 }
 
 
@@ -117,6 +144,15 @@ def test_in_process_tampering_is_flagged(grader, name):
     g = grade(grader, {"calc.py": code})
     assert not g.passed and g.reason.startswith(reason), (g.reason, g.flags, g.output)
     assert g.metadata()["tests"]["flags"] and g.metadata()["tests"]["reason"] == g.reason
+
+
+def test_a_patch_removed_before_the_test_ends_is_seen_in_its_phase(grader):
+    """Its first flag is pytest reading the test's source for the failure with the patch's
+    frame below; the patch itself is seen when the call phase is reported."""
+    g = grade(grader, {"calc.py": PATCH_AND_RESTORE})
+    assert not g.passed
+    assert any(f.startswith("_pytest.reports.TestReport: from_item_and_call patched (during tests/test_add.py::")
+               and f.endswith("(call))") for f in g.flags), g.flags
 
 
 def test_honest_code_using_frames_through_the_stdlib_passes(grader):
@@ -208,6 +244,22 @@ def test_links_and_special_files_anywhere_leave_host_files_untouched(grader, san
             assert g.passed, (kind, place, g.reason)  # never read: regenerated by every run
         else:
             assert not g.passed and g.reason.startswith(f"not graded: {place} is "), (kind, place, g.reason)
+
+
+def test_adopt_leaves_a_hard_linked_host_file_alone(sandbox, tmp_path):
+    if sandbox.uid_for(tmp_path) is None:
+        pytest.skip("adopt changes owners only when commands run as another uid")
+    os.chmod(tmp_path, 0o755)
+    victim = tmp_path / "victim"
+    victim.write_text("HOST FILE\n")
+    before = os.lstat(victim).st_uid
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    os.link(victim, ws / "linked")
+    (ws / "own").write_text("x\n")
+    sandbox.adopt(ws, ws)
+    assert os.lstat(victim).st_uid == before
+    assert os.lstat(ws / "own").st_uid == sandbox.uid_for(ws)
 
 
 def test_sparse_files_count_their_apparent_size_before_any_copy(grader):
