@@ -100,8 +100,10 @@ class ScriptedClient:
     A script entry without the stop token comes back with finish_reason "length"; so does one
     longer than ``max_new_tokens`` (cut)."""
 
-    def __init__(self, tok, turns: list[str]):
-        self.tok, self.turns = tok, list(turns)
+    def __init__(self, tok, turns: list[str], weight_version: str = "0"):
+        # The engine's weight version it reports: a rollout at policy version v discards
+        # answers from any other (rollout/context.py), as from a real engine.
+        self.tok, self.turns, self.weight_version = tok, list(turns), weight_version
         self.eos = stop_token_id(tok)
         self.requests: list[dict] = []
         self.outputs: list[GenerateResult] = []
@@ -116,6 +118,6 @@ class ScriptedClient:
             ids = ids[:limit]
         finish = {"type": "stop", "matched": self.eos} if ids and ids[-1] == self.eos else {"type": "length"}
         lps = [-0.01 - 0.001 * (i % 13) for i in range(len(ids))]
-        res = GenerateResult(rid or "r", ids, lps, finish, "0", "scripted")
+        res = GenerateResult(rid or "r", ids, lps, finish, self.weight_version, "scripted")
         self.outputs.append(res)
         return res

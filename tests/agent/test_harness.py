@@ -60,7 +60,7 @@ def test_scripted_episode_is_token_exact_and_passes_hidden_tests(tok, harness, t
         turn(tok, "", None, ("run_tests", {})),
         turn(tok, "Fixed the discount: it is now a percentage of the amount."),
     ]
-    client = ScriptedClient(tok, script)
+    client = ScriptedClient(tok, script, weight_version="3")
     r = rollout(harness, client, tasks["shop_discount"], version=3)
     r.validate(vocab_size=len(tok))
     assert (r.finish_reason, r.num_turns, r.metadata["tests_passed"]) == ("stop", 7, True), r.metadata
