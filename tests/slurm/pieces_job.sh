@@ -29,6 +29,7 @@ source "$TG_JOB_DIR/plan.env"
 echo "check: train=${TG_TRAIN_HOSTS[*]} rollout=${TG_ROLLOUT_HOSTS[*]} master=$TG_MASTER_ADDR:$TG_MASTER_PORT"
 echo "check: servers=${TG_SERVER_NAME[*]} urls=${TG_SERVER_URL[*]}"
 
+tg_make_key  # as tg_main does: every server the job starts needs the job's key file
 trap tg_teardown EXIT
 tg_start_servers engine
 tg_wait_healthy engine
