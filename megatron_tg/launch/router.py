@@ -20,8 +20,30 @@ from typing import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_tg.launch.router", add_help=False)
-    ap.add_argument("--api-key-file", required=True)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # add_help=False: every other argument belongs to sglang-router, so --help is answered
+    # here (ours, then the router's when it is installed) rather than by either parser alone.
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_tg.launch.router",
+        add_help=False,
+        allow_abbrev=False,  # else "--api-key KEY" would be taken for "--api-key-file KEY"
+        usage="%(prog)s --api-key-file FILE [sglang_router.launch_router args ...]",
+        description="Run sglang-router with its API key read from FILE (mode 0600).",
+    )
+    ap.add_argument("--api-key-file", required=True, help="file holding the job's API key")
+    if "-h" in argv or "--help" in argv:
+        ap.print_help()
+        try:
+            from sglang_router.launch_router import parse_router_args
+        except ImportError:
+            print("\n(sglang-router is not installed here: pip install -e '.[gpu]')")
+            return 0
+        print("\nsglang-router arguments:")
+        try:
+            parse_router_args(["--help"])
+        except SystemExit:
+            pass
+        return 0
     a, rest = ap.parse_known_args(argv)
     if any(x == "--api-key" or x.startswith("--api-key=") for x in rest):
         print("megatron_tg.launch.router: give the key by --api-key-file only", file=sys.stderr)

@@ -362,3 +362,20 @@ def test_keyed_router_and_engines_keep_the_key_off_argv_and_logs(keyed_cluster):
         with open(f"/proc/{p.proc.pid}/cmdline", "rb") as f:
             assert key.encode() not in f.read()
         assert key not in p.log.read_text(errors="replace")
+
+
+def test_router_launcher_answers_help_without_a_key_file():
+    """``--help`` needs no key: it prints the launcher's own option, then the router's."""
+    run = subprocess.run([sys.executable, "-m", "megatron_tg.launch.router", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "--api-key-file" in run.stdout
+    assert "--worker-urls" in run.stdout  # the router's own arguments follow
+
+
+def test_router_launcher_refuses_a_key_on_the_command_line(tmp_path):
+    key_file, _ = write_key_dir(tmp_path / "secret")
+    run = subprocess.run([sys.executable, "-m", "megatron_tg.launch.router", "--api-key-file", str(key_file),
+                          "--api-key", "visible-in-ps"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "--api-key-file only" in run.stderr
