@@ -396,6 +396,19 @@ class RolloutManager:
             finally:
                 self._waiters -= 1
 
+    def adopt_version(self, version: int) -> None:
+        """The engines were just given the weights of policy ``version`` outside
+        :meth:`update_weights` (a push right after they started, nothing generating): serve
+        it from now on. A trainer resumed from a checkpoint that holds no rollout state (an
+        SFT checkpoint, ``megatron-tg eval``) would otherwise send rollouts at version 0 and
+        discard every answer, which the engines report at ``version``."""
+        version = int(version)
+        if version < self.version:
+            raise ValueError(f"version {version} is older than the one served, {self.version}")
+        if version != self.version:
+            self.gate.set_version(version)
+        self.client.expected_weight_version = str(version)
+
     async def update_weights(self, fn: Callable[..., Any], *args: Any, version: int | None = None,
                              **kwargs: Any) -> Any:
         """Pause generation, run ``fn(*args, **kwargs)`` (sync or async: the actual weight

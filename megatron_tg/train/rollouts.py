@@ -259,7 +259,9 @@ class RolloutSide:
         """``push`` with generation paused (the manager's pause mode), then serve ``version``;
         ``restart``: right after the engines started, so straight to the engines."""
         if restart:
-            return self.call(push())
+            stats = self.call(push())
+            self.call(_on_loop(lambda: self.manager.adopt_version(version)))
+            return stats
         return self.call(self.manager.update_weights(push, version=version))
 
     def next_batch(self, version: int) -> tuple[list[TrainSample], dict[str, float]]:

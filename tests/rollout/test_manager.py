@@ -417,6 +417,34 @@ def test_answers_from_another_weight_version_are_discarded_and_counted():
     assert c["wrong_version"] >= 3 * (cfg().max_retries + 1) and c["trained"] == 0
 
 
+def test_a_manager_adopts_the_version_pushed_before_it_starts():
+    """A trainer resumed from a checkpoint without rollout state (an SFT checkpoint, as
+    ``megatron-tg eval`` loads) pushes step N's weights straight to new engines; the manager,
+    made at version 0, adopts N, and its rollouts are kept instead of all discarded."""
+    async def main(adopt):
+        m = RolloutManager(RestartedBehind(0, version=6), multi_turn_fn(), tasks(40), cfg(max_staleness=0),
+                           initial_version=0, max_consecutive_failures=3)
+        if adopt:
+            m.adopt_version(6)
+            with pytest.raises(ValueError, match="older"):
+                m.adopt_version(5)
+        async with m:
+            if not adopt:
+                with pytest.raises(RuntimeError, match="wrong_version"):
+                    await m.get_batch(0, timeout=10)
+                return None, m.counters()
+            batch = await m.get_batch(6, timeout=10)
+        m.check_invariants()
+        return batch, m.counters()
+
+    batch, c = run(main(adopt=True))
+    assert c["wrong_version"] == 0 and c["dropped"] == 0
+    assert all(seg.policy_version == 6 and seg.meta["weight_version"] == "6"
+               for g in batch for r in g.rollouts for seg in r.assistant_turns())
+    _, c = run(main(adopt=False))  # what eval did: every answer from "the wrong weights"
+    assert c["trained"] == 0 and c["dropped_wrong_version"] >= 3
+
+
 # --------------------------------------------------------------------------- real engine
 @pytest.fixture(scope="module")
 def tok():
