@@ -29,6 +29,7 @@ out of reach in principle; what it does is make each way in leave a mark before 
 import ast
 import builtins
 import json
+import operator
 import os
 import sys
 import threading
@@ -430,8 +431,12 @@ def main() -> None:
 
     rewrite.rewrite_asserts = rewrite_asserts
 
-    # ---- the namespaces the policy must not patch: (kind, name, id, ((attr, id), ...)),
+    # ---- the namespaces the policy must not patch: (name, module, dict, keys, values, class),
     # immutable, so the per-test check reachable through pytest cannot be fed a new baseline.
+    # The values themselves are kept (alive), and compared by identity (``operator.is_``, at
+    # C speed): ``id()`` is an audited event (``builtins.id``), so a map over ``id`` ran this
+    # file's audit hook once per name, which tripled the check's cost; and an id compared
+    # later could be the address of a new object put where a freed original was.
     def snapshot():
         out = []
         mods = [builtins] + [m for n, m in list(sys.modules.items())
@@ -440,11 +445,11 @@ def main() -> None:
             d = getattr(m, "__dict__", None)
             if d is None:
                 continue
-            out.append((m.__name__, id(m), d, tuple(d), tuple(map(id, d.values())), None))
+            out.append((m.__name__, m, d, tuple(d), tuple(d.values()), None))
             for k, v in list(d.items()):
                 if isinstance(v, type) and getattr(v, "__module__", None) == m.__name__:
                     cd = v.__dict__
-                    out.append((f"{m.__name__}.{k}", None, cd, tuple(cd), tuple(map(id, cd.values())), v))
+                    out.append((f"{m.__name__}.{k}", None, cd, tuple(cd), tuple(cd.values()), v))
         return tuple(out)
 
     def foreign_hooks(config, _classify=classify):
@@ -460,7 +465,7 @@ def main() -> None:
 
     def compare(before, where, config=None, _audit=sys.audit, _volatile=VOLATILE, _modules=sys.modules,
                 _hooks=foreign_hooks, _module=types.ModuleType, _any_volatile=VOLATILE_ANYWHERE, _protected=protected,
-                _ws=ws):
+                _ws=ws, _is=operator.is_):
         """Flag what changed since ``before`` (C-speed tuple comparisons; details only for
         what differs)."""
         for m in list(_modules.values()):
@@ -473,16 +478,16 @@ def main() -> None:
             bad = _hooks(config)
             if bad:
                 _audit("tg.flag", f"pytest hooks registered by the solution: {', '.join(sorted(set(bad))[:5])} ({where})")
-        for name, ident, d, keys, ids, cls in before:
+        for name, mod, d, keys, vals, cls in before:
             changed = []
-            if ident is not None and name != "builtins" and name in _modules and id(_modules[name]) != ident:
+            if mod is not None and name != "builtins" and name in _modules and _modules[name] is not mod:
                 changed.append("(the module in sys.modules)")
-            if tuple(d) != keys or tuple(map(id, d.values())) != ids:
-                was = dict(zip(keys, ids))
-                now = {k: id(v) for k, v in list(d.items())}
+            if len(d) != len(keys) or not all(map(_is, d, keys)) or not all(map(_is, d.values(), vals)):
+                was = dict(zip(keys, vals))
+                now = dict(d)
                 skip = _volatile.get(name, ())
                 for k in set(was) | set(now):
-                    if was.get(k) == now.get(k) or k in skip or k in _any_volatile:
+                    if (k in was and k in now and was[k] is now[k]) or k in skip or k in _any_volatile:
                         continue
                     if k not in was and (isinstance(d.get(k), _module) if cls is None else not (
                             k.startswith("__") or any(k in b.__dict__ for b in cls.__mro__[1:]))):
