@@ -21,6 +21,9 @@ from megatron_tg.testing.distributed import run_distributed
 from megatron_tg.train.checkpoint import Checkpointer
 from tests.train.common import make_samples, tiny_policy
 
+# Every test here under plain gloo and under NCCL's rules (tests/conftest.py: comm_rules).
+pytestmark = pytest.mark.usefixtures("comm_rules")
+
 
 def _train_fn(rank, world, tp, state, hf_cfg, samples, tok_dir, ckpt_root, mode, seed):
     """mode 'fresh': 3 steps, save after step 2 ('fresh_async': the save is written in the

@@ -30,6 +30,9 @@ from megatron_tg.testing.distributed import run_distributed
 from tests.train.common import make_samples, tiny_policy
 from tests.train.test_trainer import checkpoint  # noqa: F401  (the fixture)
 
+# Every test here under plain gloo and under NCCL's rules (tests/conftest.py: comm_rules).
+pytestmark = pytest.mark.usefixtures("comm_rules")
+
 # (name, optimizer kind, params dtype, TP, EP, OptimizerConfig fields)
 CLIP = dict(lr=1e-3, grad_clip=1.0)
 RUNS = [("dist", "distributed", "float32", 1, 1, CLIP),
@@ -130,7 +133,7 @@ def _own_range_summed(opt, param, grad):
 
 
 @pytest.fixture(scope="module")
-def steps():
+def steps(comm_rules):  # runs ranks: once per rule set
     tok, cfg, state = tiny_policy()
     samples = make_samples(tok, cfg, state)
     return run_distributed(_one_step_fn, 2, state, cfg, samples, tok.name_or_path, RUNS)
@@ -268,7 +271,8 @@ def _resume_fn(rank, world, state, hf_cfg, samples, tok_dir, ckpt_root, first, l
         loss = run_step(ddp, objective, [mb], vocab_size=arch.vocab_size)[0].loss
         finalize_model_grads([ddp])
         assert opt.step()["skipped"] == 0.0
-        mean = loss.detach().clone()
+        # the step's loss comes back on the host (run_step: .cpu()); NCCL reduces device memory
+        mean = loss.detach().to(next(model.parameters()).device, copy=True)
         dist.all_reduce(mean)
         out.append(dict(loss=mean / dp,
                         weights={n: p.detach().clone() for n, p in model.named_parameters()}))

@@ -23,6 +23,9 @@ from pathlib import Path
 
 import pytest
 
+# Every test here under plain gloo and under NCCL's rules (tests/conftest.py: comm_rules).
+pytestmark = pytest.mark.usefixtures("comm_rules")
+
 REPO = Path(__file__).resolve().parents[2]
 N, K = 4, 2
 

@@ -16,6 +16,9 @@ from megatron_tg.testing.distributed import run_distributed
 from tests.models.qwen3_moe.common import tiny_hf_model
 from tests.train.common import make_samples
 
+# Every test here under plain gloo and under NCCL's rules (tests/conftest.py: comm_rules).
+pytestmark = pytest.mark.usefixtures("comm_rules")
+
 
 def _named(trainer, tensors):
     """HF name -> tensor for this rank's parameters (TP = EP = 1: whole tensors)."""
