@@ -44,10 +44,8 @@ from typing import Any, Sequence
 
 from megatron_tg.demo import base_model as B
 from megatron_tg.demo import report as R
-from megatron_tg.demo.runs import (  # noqa: F401 (re-exported)
-    DEFAULT, DIRECTIONS, EXPERTS, FULL, GRID, METHODS, QUICK, RECIPE, ROLLING, ROOT, Plan, RunSpec,
-    _env, _finished, _heldout, _identity, _log, _write_atomic, convert, recipe_defaults, run_all,
-    run_one)
+from megatron_tg.demo.runs import (DEFAULT, DIRECTIONS, EXPERTS, FULL, METHODS, QUICK, RECIPE, ROLLING, Plan,
+                                   RunSpec, _log, _write_atomic, convert, recipe_defaults, run_all)
 
 
 def targets(methods: dict[str, Any], wall: float, quick: bool,
