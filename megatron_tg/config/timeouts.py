@@ -12,12 +12,19 @@ them with these, and ``megatron-tg config --dry-run`` and ``megatron-tg plan`` p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 from megatron_tg.config.base import check_range
+from megatron_tg.config.rollout import JudgeConfig, RolloutConfig
 
-if TYPE_CHECKING:
-    from megatron_tg.config.schema import TGConfig
+
+class RunLimits(Protocol):
+    """What :meth:`TimeoutsConfig.rollout_wait` and :meth:`TimeoutsConfig.table` read of a
+    run's config (a :class:`~megatron_tg.config.schema.TGConfig`, which holds this group:
+    the schema imports this module, never the reverse)."""
+
+    rollout: RolloutConfig
+    judge: JudgeConfig
 
 
 @dataclass
@@ -60,14 +67,14 @@ class TimeoutsConfig:
         if self.rollout_wait_s is not None:
             check_range("timeouts.rollout_wait_s", self.rollout_wait_s, gt=0)
 
-    def rollout_wait(self, cfg: "TGConfig") -> float:
+    def rollout_wait(self, cfg: RunLimits) -> float:
         """``rollout_wait_s``, derived from the rollout and judge config when None."""
         if self.rollout_wait_s is not None:
             return float(self.rollout_wait_s)
         r, j = cfg.rollout, cfg.judge
         return float(r.max_turns * r.request_timeout_s + (j.max_retries + 1) * j.timeout_s)
 
-    def table(self, cfg: "TGConfig") -> dict[str, float]:
+    def table(self, cfg: RunLimits) -> dict[str, float]:
         """Every limit of a run, resolved, by its config path (what the dry-runs print)."""
         out = {f"timeouts.{k}": float(getattr(self, k)) for k in
                ("collective_s", "weight_sync_s", "http_admin_s", "http_connect_s", "health_s",

@@ -77,14 +77,14 @@ PASS = "criteria/answer"
 
 
 def plan(steps: int = STEPS):
-    from megatron_tg.demo.__main__ import Plan
+    from megatron_tg.demo.runs import Plan
 
     return Plan(steps=steps, seeds=tuple(SEEDS), last=LAST, variants=(), probe_every=0,
                 heldout=0, seeded=True, rl_args=("--env", "paper"))
 
 
 def run_specs(seeds: Sequence[int]):
-    from megatron_tg.demo.__main__ import RunSpec
+    from megatron_tg.demo.runs import RunSpec
 
     return [RunSpec(f"{name}-s{s}", mode, s, extra=extra) for s in seeds for name, mode, extra in RUNS]
 
@@ -241,11 +241,11 @@ def run(a, py: str, log, base_overrides: Mapping[str, Any] | None = None) -> int
     """The suite (``a``: the demo's parsed arguments: ``out``, ``jobs``, ``seeds`` (a tuple;
     None: the development seeds), ``steps``, ``recipe``). ``base_overrides``: the base
     model's build settings (tests build a tiny one)."""
-    from megatron_tg.demo.__main__ import _write_atomic, convert, run_all
+    from megatron_tg.demo.runs import _write_atomic, convert, run_all
 
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    from megatron_tg.demo.__main__ import RECIPE as MAIN_RECIPE
+    from megatron_tg.demo.runs import RECIPE as MAIN_RECIPE
 
     # the demo's default recipe means "this suite's default"; any other is used as given
     recipe = RECIPE if Path(a.recipe).resolve() == MAIN_RECIPE.resolve() else Path(a.recipe).resolve()

@@ -75,7 +75,7 @@ def table(levels: dict[str, dict[str, Any]]) -> str:
 
 def run(a, plan, recipe: Path, py: str, log) -> int:
     """The suite (``a``: the demo's parsed arguments; ``plan``: the ``--quick`` plan)."""
-    from megatron_tg.demo.__main__ import RunSpec, _write_atomic, convert, run_one
+    from megatron_tg.demo.runs import RunSpec, _write_atomic, convert, run_one
 
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

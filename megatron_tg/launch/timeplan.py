@@ -13,12 +13,19 @@ import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from megatron_tg.config import TGConfig
 
-if TYPE_CHECKING:
-    from megatron_tg.launch.memory import MemoryPlan
+
+class SizedPlan(Protocol):
+    """What :func:`time_plan` reads of a memory plan (a
+    :class:`~megatron_tg.launch.memory.MemoryPlan`: the memory module imports this one,
+    never the reverse)."""
+
+    layout: dict[str, int]
+    total_params: int
+    active_params: int
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +85,7 @@ def _llm_criteria(cfg: TGConfig) -> int:
     return len(load_rubric(path).llm_criteria())
 
 
-def time_plan(cfg: TGConfig, plan: "MemoryPlan", a: Assumptions = Assumptions()) -> dict[str, Any]:
+def time_plan(cfg: TGConfig, plan: SizedPlan, a: Assumptions = Assumptions()) -> dict[str, Any]:
     """Per-step token counts, FLOPs, seconds per role and the bottleneck."""
     from megatron_tg.models.qwen3_moe.config import Qwen3Arch
 

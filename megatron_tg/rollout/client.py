@@ -54,22 +54,10 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import aiohttp
 
+from .errors import SGLangClientError, SGLangRequestError  # noqa: F401 (re-exported)
 from .weight_client import TrainerWeightGroup, WeightUpdateCalls  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
-
-
-class SGLangClientError(RuntimeError):
-    """A request failed on every server it was tried on (or an admin call failed)."""
-
-    def __init__(self, message: str, rid: str | None = None, errors: Sequence[tuple[str, BaseException]] = ()):
-        super().__init__(message)
-        self.rid = rid
-        self.errors = list(errors)
-
-
-class SGLangRequestError(SGLangClientError):
-    """The server rejected the request (HTTP 4xx): retrying elsewhere would not help."""
 
 
 class _RetryableHTTP(Exception):
@@ -648,6 +636,12 @@ class SGLangClient(WeightUpdateCalls):
             if s.url in self.admin_urls and s.url not in ok:
                 s.healthy = False  # missed the update; rejoins only at the expected version
 
+    async def generate_on(self, url: str, body: dict[str, Any]) -> Any:
+        """POST ``body`` to ``url``'s ``/generate`` (one server, no routing or retries) and return
+        its JSON answer: a question to one engine in particular, such as the weight sync's
+        log-prob probe, which compares each engine's prompt log-probs with the trainer's."""
+        return await self._call(url, "POST", "/generate", body)
+
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **fields) -> dict:
         body = {"model_path": model_path, **fields}
         if weight_version is not None:
@@ -657,7 +651,7 @@ class SGLangClient(WeightUpdateCalls):
         return ok
 
     async def update_weights_from_tensor(self, named_tensors, weight_version: str | None = None, **fields) -> dict:
-        from .engine.weights import encode_named_tensors
+        from .transport import encode_named_tensors
 
         body = {"serialized_named_tensors": [encode_named_tensors(named_tensors)], **fields}
         if weight_version is not None:

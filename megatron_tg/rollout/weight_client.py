@@ -16,7 +16,7 @@ on servers that predate it): its SGLang version and its parallel sizes.
   (only ``tp_rank`` offsets a rank, so stages would collide) or data-parallel replicas
   (SGLang asserts ``dp_size == 1`` for this call) are refused.
 * **Transport.** NCCL with GPU tensors on clusters, gloo on CPU; the trainer's side is
-  formed by :func:`~megatron_tg.rollout.engine.weights.init_weight_update_group`, the same
+  formed by :func:`~megatron_tg.rollout.transport.init_weight_update_group`, the same
   way SGLang forms the engines' side.
 """
 
@@ -30,7 +30,8 @@ from typing import Any, Protocol, Sequence
 
 from packaging.version import InvalidVersion, Version
 
-from .engine.weights import FlatBucket, WeightUpdateGroup, init_weight_update_group, send_tensors
+from .errors import SGLangClientError
+from .transport import FlatBucket, WeightUpdateGroup, describe, init_weight_update_group, send_tensors
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ class TrainerWeightGroup:
 
 def check_weight_sync(info: EngineInfo) -> None:
     """Raise if weights cannot be synced to this engine the way this client does it."""
-    from .client import SGLangClientError
-
     try:
         v = Version(info.version)
     except InvalidVersion:
@@ -132,8 +131,6 @@ class WeightUpdateCalls:
 
     async def engine_info(self, url: str) -> EngineInfo:
         """Version and parallel sizes of one server (read once, then cached)."""
-        from .client import SGLangClientError
-
         cache = self._engine_infos
         if url not in cache:
             body = await self._server_info(url)
@@ -148,8 +145,6 @@ class WeightUpdateCalls:
                                         servers: Sequence[str] | None = None,
                                         timeout_s: float = 300.0) -> TrainerWeightGroup:
         """Form the trainer(rank 0)-to-engines group, laid out by each engine's GPU count."""
-        from .client import SGLangClientError
-
         urls = list(servers) if servers is not None else list(self.admin_urls)
         infos = [await self.engine_info(u) for u in urls]
         for info in infos:
@@ -186,8 +181,6 @@ class WeightUpdateCalls:
 
         ``flush_cache`` defaults to False: a sync flushes once, after its last bucket
         (:meth:`flush_cache`); SGLang's default of True fails on a busy engine."""
-        from .client import SGLangClientError
-        from .engine.weights import describe
 
         if isinstance(tensors, FlatBucket):
             fields = {"names": tensors.names, "dtypes": tensors.dtypes, "shapes": tensors.shapes,
@@ -260,8 +253,6 @@ class WeightUpdateCalls:
         """Destroy ``group`` (closing any open weight-update on the members still there) and
         form a new one with ``servers``: SGLang's way to drop a dead member or add a returned
         one, since a communicator's members are fixed at its creation."""
-        from .client import SGLangClientError
-
         gone = [u for u in group.servers if u not in servers]
         keep = [u for u in group.servers if u not in gone]
         if keep:  # an aborted sync left /begin_weight_update open there; errors: none was open

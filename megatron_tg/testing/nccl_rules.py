@@ -297,7 +297,7 @@ def enable() -> None:
     dist.new_group = _recording_new_group(dist.new_group)
     # The weight-update group (trainer rank 0 + engine GPUs) broadcasts through its
     # ProcessGroup directly, as SGLang's side does; with SGLang engines it is NCCL.
-    from megatron_tg.rollout.engine.weights import WeightUpdateGroup
+    from megatron_tg.rollout.transport import WeightUpdateGroup
 
     plain = WeightUpdateGroup.broadcast
 
@@ -317,7 +317,7 @@ def disable() -> None:
     if not _STATE:
         return
     _STATE.pop("mode").__exit__(None, None, None)
-    from megatron_tg.rollout.engine.weights import WeightUpdateGroup
+    from megatron_tg.rollout.transport import WeightUpdateGroup
 
     WeightUpdateGroup.broadcast = getattr(WeightUpdateGroup.broadcast, "__wrapped_nccl_rules__",
                                           WeightUpdateGroup.broadcast)

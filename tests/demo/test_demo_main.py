@@ -245,6 +245,7 @@ def test_targets_can_fail():
 
 def test_plans_make_a_fixed_grid_and_say_which_runs(tmp_path):
     from megatron_tg.demo import __main__ as D
+    from megatron_tg.demo import runs
 
     default = ("forward", "ema")
     specs, variants = D.plan_runs(D.FULL, default)
@@ -252,7 +253,7 @@ def test_plans_make_a_fixed_grid_and_say_which_runs(tmp_path):
     assert len(names) == len(set(names)) == 3 + 6 * 3 - 1  # the tg row is forward+ema seed 0
     assert set(variants) == {f"{d}+{e}" for d in D.DIRECTIONS for e in D.EXPERTS}
     assert all(len(v) == 3 for v in variants.values()) and variants["forward+ema"][0] == "tg"
-    assert {(s.direction, s.expert) for s in specs if s.name.startswith("tg-")} == set(D.GRID)
+    assert {(s.direction, s.expert) for s in specs if s.name.startswith("tg-")} == set(runs.GRID)
     specs, variants = D.plan_runs(D.DEFAULT, default)
     assert [s.name for s in specs] == ["grpo", "opsd", "tg", "tg-reverse-ema-s0"]
     assert variants == {"forward+ema": ["tg"], "reverse+ema": ["tg-reverse-ema-s0"]}
@@ -265,7 +266,7 @@ def test_plans_make_a_fixed_grid_and_say_which_runs(tmp_path):
                            probe_every=0), default)
     # the grid's summary, table and plot on tiny fake runs
     out = tmp_path / "grid"
-    plan = D.Plan(steps=4, seeds=(0, 1, 2), last=2, variants=D.GRID, probe_every=0)
+    plan = D.Plan(steps=4, seeds=(0, 1, 2), last=2, variants=runs.GRID, probe_every=0)
     specs, variants = D.plan_runs(plan, default)
     dirs = {}
     for i, s in enumerate(specs):
@@ -284,22 +285,23 @@ def test_plans_make_a_fixed_grid_and_say_which_runs(tmp_path):
 
 def test_finished_runs_are_reused_only_with_the_same_inputs(tmp_path):
     from megatron_tg.demo import __main__ as D
+    from megatron_tg.demo import runs
 
     plan, spec = D.QUICK, D.RunSpec("tg", "tg", 0)
     inputs = {"base_build": "abc", "recipe_sha256": "123"}
     run_dir = tmp_path / "runs" / "tg"
     run_dir.mkdir(parents=True)
-    (run_dir / "done.json").write_text(json.dumps({"identity": D._identity(spec, plan, inputs)}))
+    (run_dir / "done.json").write_text(json.dumps({"identity": runs._identity(spec, plan, inputs)}))
     # same identity: reused, nothing is run (the "python" here would fail)
-    assert D.run_one(spec, tmp_path, plan, "/bin/false", D.RECIPE, inputs) == run_dir
+    assert runs.run_one(spec, tmp_path, plan, "/bin/false", D.RECIPE, inputs) == run_dir
     # another base model build: the stale run is discarded and redone; a failing run is
     # reported with its name and exit code, and leaves no done.json behind
     with pytest.raises(RuntimeError, match="run tg failed with exit code 1"):
-        D.run_one(spec, tmp_path, plan, "/bin/false", D.RECIPE, {**inputs, "base_build": "xyz"})
+        runs.run_one(spec, tmp_path, plan, "/bin/false", D.RECIPE, {**inputs, "base_build": "xyz"})
     assert not (run_dir / "done.json").exists()
     # a done.json cut by a kill counts as unfinished
     (run_dir / "done.json").write_text('{"identity": ')
-    assert D._finished(run_dir / "done.json") is None
+    assert runs._finished(run_dir / "done.json") is None
 
 
 def test_main_rejects_bad_arguments(capsys):

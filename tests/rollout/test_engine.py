@@ -281,7 +281,8 @@ def test_update_weights_from_disk(http_call, engine, model_a, model_b, hf_b):
 
 def test_update_weights_from_distributed_equals_disk(http_call, engine, model_a, model_b):
     from megatron_tg.rollout.client import SGLangClient
-    from megatron_tg.rollout.engine.weights import FlatBucket, iter_checkpoint
+    from megatron_tg.rollout.engine.weights import iter_checkpoint
+    from megatron_tg.rollout.transport import FlatBucket
 
     def probe():
         o = gen(http_call, engine, temperature=0.9, max_new_tokens=12, sampling_seed=7)
@@ -362,7 +363,8 @@ def test_flush_fails_while_paused_in_place_and_succeeds_retracted(http_call, eng
     """Finding 4: in_place keeps requests in the running batch, where every flush fails
     (an update with SGLang's default flush_cache=true loads, then answers 400); retract
     moves them to the waiting queue, which a paused flush ignores (SGLang >= 0.5.21)."""
-    from megatron_tg.rollout.engine.weights import encode_named_tensors, iter_checkpoint
+    from megatron_tg.rollout.engine.weights import iter_checkpoint
+    from megatron_tg.rollout.transport import encode_named_tensors
 
     name = "model.norm.weight"
     original = dict(iter_checkpoint(str(model_a)))[name]
@@ -390,7 +392,8 @@ def test_flush_fails_while_paused_in_place_and_succeeds_retracted(http_call, eng
 
 
 def test_update_weights_from_tensor(http_call, engine, model_a):
-    from megatron_tg.rollout.engine.weights import encode_named_tensors, iter_checkpoint
+    from megatron_tg.rollout.engine.weights import iter_checkpoint
+    from megatron_tg.rollout.transport import encode_named_tensors
 
     name = "model.norm.weight"
     original = dict(iter_checkpoint(str(model_a)))[name]
@@ -406,7 +409,8 @@ def test_update_weights_from_tensor(http_call, engine, model_a):
 def test_unknown_weight_names_are_skipped_but_the_checker_names_what_was_missed(http_call, engine, model_a):
     """Finding 7: SGLang's loader skips names it does not know (no error, stale weights);
     snapshot -> reset_tensors -> update -> compare names the weight a renamed tensor missed."""
-    from megatron_tg.rollout.engine.weights import encode_named_tensors, iter_checkpoint
+    from megatron_tg.rollout.engine.weights import iter_checkpoint
+    from megatron_tg.rollout.transport import encode_named_tensors
 
     tensors = list(iter_checkpoint(str(model_a)))
     typo = [("model.layers.0.self_attn.q_norm.weightt" if n == "model.layers.0.self_attn.q_norm.weight" else n, t)

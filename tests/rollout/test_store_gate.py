@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_tg.rollout.engine.weights import init_weight_update_group
+from megatron_tg.rollout.transport import init_weight_update_group
 from megatron_tg.testing.distributed import free_port
 from tests.rollout.test_weight_group_store import GROUP, _member
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_tg.rollout.client import SGLangClientError
-from megatron_tg.rollout.engine.weights import FlatBucket, bucket_offsets
+from megatron_tg.rollout.transport import FlatBucket, bucket_offsets
 from megatron_tg.rollout.weight_client import EngineInfo, check_weight_sync, group_layout
 
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megatron_tg.rollout.engine.weights import init_weight_update_group
+from megatron_tg.rollout.transport import init_weight_update_group
 from megatron_tg.testing.distributed import free_port
 
 GROUP = "tg-weights-store"

@@ -25,7 +25,8 @@ import torch
 
 from megatron_tg.rollout.client import SGLangClient
 from megatron_tg.rollout.engine.launch import start_engines
-from megatron_tg.rollout.engine.weights import FlatBucket, iter_checkpoint
+from megatron_tg.rollout.engine.weights import iter_checkpoint
+from megatron_tg.rollout.transport import FlatBucket
 from megatron_tg.testing.distributed import free_port
 from tests.rollout.conftest import build_tiny_model
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_tg.rollout.engine.weights import FlatBucket, init_weight_update_group, send_tensors
+from megatron_tg.rollout.transport import FlatBucket, init_weight_update_group, send_tensors
 from megatron_tg.rollout.weight_client import EngineInfo, group_layout
 from megatron_tg.testing.distributed import free_port
 

@@ -85,8 +85,9 @@ def _loss_fn(rank, world, state, hf_cfg, engine_dir, log_dir, pp=1):
 
 
 def _scenario(rank, model, arch, ctx, engines, a, b):
-    from megatron_tg.train.weight_sync import (SyncChecks, compare_logprobs, engine_logprobs,
-                                               probe_tokens, sync_to_engines, trainer_logprobs)
+    from megatron_tg.train.sync_checks import (SyncChecks, compare_logprobs, engine_logprobs, probe_tokens,
+                                               trainer_logprobs)
+    from megatron_tg.train.weight_sync import sync_to_engines
 
     # bucket 0 MiB: every tensor is its own broadcast, so "between two buckets" is everywhere
     cfg = SimpleNamespace(rollout=SimpleNamespace(sync_bucket_mb=0, pause_mode="retract"))

@@ -8,7 +8,9 @@ transformers model on CPU. A client cannot tell the two apart except by speed.
 
 Modules: ``protocol`` (wire format), ``sampling`` (sampling + log-prob convention),
 ``model_runner`` (batched KV-cache forward), ``scheduler`` (generation loop thread),
-``weights`` (weight updates and the gloo transport), ``server`` (aiohttp routes).
+``weights`` (weight updates: loading, checksums, receiving; the transport shared with the
+trainer side is :mod:`megatron_tg.rollout.transport`), ``errors`` (the 400 error),
+``server`` (aiohttp routes).
 Heavy imports (torch, transformers) happen only when the server is built.
 """
 

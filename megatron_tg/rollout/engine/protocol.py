@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import RequestError
+
 # SGLang: temperatures below this are greedy (top_k=1, temperature=1).
 SAMPLING_EPS = 1e-6
 TOP_K_ALL = 1 << 30
@@ -31,10 +33,6 @@ SGLANG_SAMPLING_KEYS = frozenset({
     "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
     "custom_params", "watermark",
 })
-
-
-class RequestError(ValueError):
-    """A malformed or unsupported request: the server answers 400 with this message."""
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .protocol import RequestError
+from .errors import RequestError
 
 
 def parse_routing_fields(body: dict[str, Any], n_prompts: int, batched: bool

@@ -18,10 +18,13 @@ from aiohttp import web
 
 from megatron_tg.auth import aiohttp_middleware
 
+from megatron_tg.rollout import transport as T
+
 from . import weights as W
 from .weight_api import SGLangRules, WeightEndpoints
 from .model_runner import ModelRunner
-from .protocol import GenRequest, RequestError, SamplingParams, build_response, parse_generate
+from .errors import RequestError
+from .protocol import GenRequest, SamplingParams, build_response, parse_generate
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -85,7 +88,7 @@ class EngineServer(WeightEndpoints):
         # updates that do not, to the count of updates so far ("1", "2", ...), so every
         # update is visible in meta_info and versions never repeat.
         self.num_updates = 0
-        self.groups: dict[str, W.WeightUpdateGroup] = {}
+        self.groups: dict[str, T.WeightUpdateGroup] = {}
         self.rules = SGLangRules(sglang_version)  # the release whose weight-update rules apply
         self.update_open = False  # between /begin_weight_update and /end_weight_update
         self.checker = W.WeightChecker(self.runner.model)

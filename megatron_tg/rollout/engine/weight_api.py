@@ -27,8 +27,10 @@ from typing import Any, Callable
 from aiohttp import web
 from packaging.version import Version
 
+from megatron_tg.rollout import transport as T
+
 from . import weights as W
-from .protocol import RequestError
+from .errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class WeightEndpoints:
 
     rules: SGLangRules
     update_open: bool
-    groups: dict[str, W.WeightUpdateGroup]
+    groups: dict[str, T.WeightUpdateGroup]
 
     def add_weight_routes(self, r: web.UrlDispatcher) -> None:
         r.add_get("/get_weight_version", self.get_weight_version)
@@ -157,7 +159,7 @@ class WeightEndpoints:
         if (refused := self._outside_begin_end("update_weights_from_tensor")) is not None:
             return refused
         try:
-            tensors = [nt for s in body["serialized_named_tensors"] for nt in W.decode_named_tensors(s)]
+            tensors = [nt for s in body["serialized_named_tensors"] for nt in T.decode_named_tensors(s)]
         except Exception as exc:
             return _json({"success": False, "message": f"cannot decode serialized_named_tensors: {exc}"}, 400)
         ok, msg = await self._apply(lambda: tensors, body, "update_weights_from_tensor")
@@ -181,7 +183,7 @@ class WeightEndpoints:
                           f"group {name!r} exists."}, 400)
         try:
             # The rendezvous blocks until every member joins: keep it off the event loop.
-            group = await asyncio.to_thread(W.init_weight_update_group, *args)
+            group = await asyncio.to_thread(T.init_weight_update_group, *args)
         except Exception as exc:
             return _json({"success": False, "message": f"Failed to initialize custom process group: {exc}."}, 400)
         self.groups[name] = group
