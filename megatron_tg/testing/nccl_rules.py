@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Any, Iterable
 
 import torch
@@ -230,11 +231,38 @@ _SPECS: dict[str, tuple[tuple[tuple[int, str], ...], tuple[int, str], tuple[int,
 }
 
 
+# The ``*_object`` collectives: on GPU torch puts their buffers on the group's device itself
+# (``_get_object_coll_device``: the current CUDA device for NCCL); on CPU it is "cpu". Their
+# inner tensor calls (``recv_object_list`` -> ``recv`` -> ``irecv``) are therefore not checked.
+_OBJECT_OPS = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+               "send_object_list", "recv_object_list")
+_INSIDE_OBJECT_OP = threading.local()
+
+
+def _inside_object_op() -> bool:
+    return getattr(_INSIDE_OBJECT_OP, "depth", 0) > 0
+
+
+def _object_op(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        _INSIDE_OBJECT_OP.depth = getattr(_INSIDE_OBJECT_OP, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _INSIDE_OBJECT_OP.depth -= 1
+
+    wrapper.__wrapped_nccl_rules__ = fn
+    return wrapper
+
+
 def _checked(op: str, fn):
     tensor_specs, group_spec, op_spec = _SPECS[op]
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if _inside_object_op():
+            return fn(*args, **kwargs)
         group = _arg(args, kwargs, *group_spec)
         reduce_op = _arg(args, kwargs, *op_spec) if op_spec else None
         for i, name in tensor_specs:
@@ -251,7 +279,7 @@ def _checked(op: str, fn):
 def _checked_batch(fn):
     @functools.wraps(fn)
     def wrapper(p2p_op_list, *args, **kwargs):
-        for p in p2p_op_list:
+        for p in ([] if _inside_object_op() else p2p_op_list):
             check_tensor("torch.distributed.batch_isend_irecv", p.tensor, p.group,
                          f"the tensor of a {getattr(p.op, '__name__', p.op)}")
         return fn(p2p_op_list, *args, **kwargs)
@@ -294,6 +322,8 @@ def enable() -> None:
     for op in ("isend", "irecv"):  # P2POp accepts only c10d's own isend/irecv objects
         setattr(c10d, op, getattr(dist, op))
     dist.batch_isend_irecv = _checked_batch(dist.batch_isend_irecv)
+    for op in _OBJECT_OPS:
+        setattr(dist, op, _object_op(getattr(dist, op)))
     dist.new_group = _recording_new_group(dist.new_group)
     # The weight-update group (trainer rank 0 + engine GPUs) broadcasts through its
     # ProcessGroup directly, as SGLang's side does; with SGLang engines it is NCCL.
@@ -323,7 +353,7 @@ def disable() -> None:
                                           WeightUpdateGroup.broadcast)
     from torch.distributed import distributed_c10d as c10d
 
-    for name in list(_SPECS) + ["batch_isend_irecv", "new_group"]:
+    for name in list(_SPECS) + list(_OBJECT_OPS) + ["batch_isend_irecv", "new_group"]:
         fn = getattr(dist, name)
         setattr(dist, name, getattr(fn, "__wrapped_nccl_rules__", fn))
     for op in ("isend", "irecv"):

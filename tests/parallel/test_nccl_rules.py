@@ -60,6 +60,18 @@ def _cases(rank, world):
         out["band"] = "ok"
     except nccl_rules.NCCLRuleError as exc:
         out["band"] = str(exc)
+    # the *_object collectives (torch puts their buffers on the group's device itself), and a
+    # host buffer sent right after one is still refused
+    box = [{"rank": rank}] if rank == 1 else [None]
+    (dist.send_object_list if rank == 1 else dist.recv_object_list)(box, 1 - rank, group=plain)
+    objs = [None, None]
+    dist.all_gather_object(objs, rank)
+    out["objects"] = (box[0], objs)
+    try:
+        (dist.send if rank == 1 else dist.recv)(torch.empty(3), 1 - rank, group=plain)
+        out["recv_host_after_object"] = "ok"
+    except nccl_rules.NCCLRuleError as exc:
+        out["recv_host_after_object"] = str(exc)
     out["enabled"] = nccl_rules.enabled()
     return out
 
@@ -88,4 +100,6 @@ def test_policy_refuses_what_nccl_refuses(rules):
             elif name == "non_contiguous":
                 assert "not contiguous" in verdict, verdict
         assert "torch.distributed.recv" in out["recv_host"] or "torch.distributed.send" in out["recv_host"]
+        assert out["objects"] == ({"rank": 1}, [0, 1])
+        assert "host (CPU) buffer" in out["recv_host_after_object"]
         assert "does not exist in NCCL" in out["band"]
