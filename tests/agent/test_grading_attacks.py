@@ -25,6 +25,7 @@ from megatron_tg.agent.tasks import Task, materialize, write_files
 from megatron_tg.agent.tools import Tools
 
 from .conftest import NOBODY, REPO
+from .hostile_review2 import REVIEW2
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
 # ---------------------------------------------------------------- in-process tampering
@@ -162,6 +163,16 @@ def test_honest_code_using_frames_through_the_stdlib_passes(grader):
     assert g.passed and not g.flags, (g.reason, g.flags, g.output)
     g = grade(grader, {"calc.py": NESTED_EQ})
     assert not g.passed and "_Eq.__eq__" in g.reason, g.reason
+    # threads the solution starts, doing honest work (logging in the worker too), and library
+    # numbers with their own __eq__ (a Fraction equal to an int)
+    g = grade(grader, {"calc.py": HONEST_THREADS})
+    assert g.passed and not g.flags, (g.reason, g.flags, g.output)
+
+
+HONEST_THREADS = ("import logging\nfrom concurrent.futures import ThreadPoolExecutor\nfrom fractions import Fraction\n\n\n"
+                  "def _sum(a, b):\n    logging.getLogger(__name__).warning('adding in a worker')\n"
+                  "    return Fraction(a) + Fraction(b)\n\n\n"
+                  "def add(a, b):\n    with ThreadPoolExecutor(2) as ex:\n        return ex.submit(_sum, a, b).result()\n")
 
 
 # ---------------------------------------------------------------- the repository's test support
@@ -372,3 +383,12 @@ def test_a_grader_killed_mid_run_leaves_no_process_behind(sandbox):
             os.kill(pid, signal.SIGKILL)
         if p.poll() is None:
             p.kill()
+
+
+@pytest.mark.parametrize("name", list(REVIEW2))
+def test_the_second_review_s_winning_solutions_are_graded_fail(grader, name):
+    """Each of these got a PASS from the grader the second review attacked (none implements
+    the task; see tests/agent/hostile_review2.py)."""
+    files, reason = REVIEW2[name]
+    g = grade(grader, files)
+    assert not g.passed and g.reason.startswith(reason), (g.reason, g.flags, g.output[-2000:])
