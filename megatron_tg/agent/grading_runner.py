@@ -17,7 +17,7 @@ out of reach in principle; what it does is make each way in leave a mark before 
    traces, opens a test, runner or ``/proc`` file, signals another process, uses ctypes,
    starts a process, or compiles source itself (under whatever file name);
 3. the namespaces of builtins, pytest, ``_pytest``, pluggy and this runner are snapshotted
-   before the run and compared as each test phase is reported and after every test: a
+   before the run and compared as each test phase is reported and at the end: a
    patch there is a ``flag``, and so is the comparison's name in a test module's globals;
 4. ``==`` / ``!=`` / ``in`` in the asserts of the task's test files go through a check
    that flags an operand whose ``__eq__`` the policy (or pytest: ``approx``) wrote claiming
@@ -578,6 +578,9 @@ def main() -> None:
 
     class Plugin:
         @pytest.hookimpl(tryfirst=True)
+        # The namespaces are compared before each record is written, and at the end. Not also
+        # after each test: between a teardown's record and the next setup's nothing is
+        # recorded, so a patch made and undone there cannot change a record.
         def pytest_runtest_logreport(self, report, _audit=sys.audit, _compare=compare, _base=base, _state=state):
             _compare(_base, f"during {report.nodeid} ({report.when})", _state[0])  # before its record
             outcome = "error" if report.failed and report.when != "call" else report.outcome
@@ -592,9 +595,6 @@ def main() -> None:
         def pytest_configure(self, config, _state=state):
             _state[0] = config
 
-        @pytest.hookimpl(trylast=True)
-        def pytest_runtest_logfinish(self, nodeid, location, _compare=compare, _base=base, _state=state):
-            _compare(_base, f"after {nodeid}", _state[0])
 
     sys.addaudithook(hook)
     sys.path.extend(r for r in cfg["roots"] if r)
