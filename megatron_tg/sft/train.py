@@ -152,7 +152,8 @@ def run_sft(cfg, *, log_every: int = 1) -> dict[str, float]:
             trainer.optimizer.lr = lr
             opt = trainer.optimizer.step()
             trainer.step += 1
-            total = torch.tensor([nll])
+            # on the device: the DP group is NCCL on GPU, which refuses host tensors
+            total = torch.tensor([nll], device=trainer.ctx.device)
             dist.all_reduce(total, group=trainer.ctx.group(Axis.DP))
             metrics = {"sft/loss": float(total) / tokens, "sft/tokens": tokens,
                        "sft/examples": float(len(batch)), "optim/lr": lr,

@@ -40,8 +40,9 @@ class StopFlag:
     def _set(self, signum, frame) -> None:
         self.requested = True
 
-    def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0])
+    def agreed(self, device: torch.device) -> bool:
+        # on the parallel context's device: the default group is NCCL on GPU (no host tensors)
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.requested = bool(flag.item())
         return self.requested
@@ -98,7 +99,7 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
             log.log(trainer.step, metrics)
             if rank0:
                 records.write(trainer.step, side.last_judged, batch[0], trainer.turn_stats)
-            stopping = stop.agreed()
+            stopping = stop.agreed(trainer.ctx.device)
             trainer.checkpointer.finalize()  # completes the async saves every rank has written
             if stopping or trainer.step % cfg.checkpoint.interval == 0 or trainer.step == cfg.steps:
                 trainer.save({"rollouts": side.state_dict() if rank0 else None})  # checkpoint
