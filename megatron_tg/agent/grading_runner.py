@@ -351,9 +351,31 @@ def main() -> None:
         except Exception:
             return False
 
-    def foreign_eq(x, budget, _classify=classify, _values=BUILTIN_VALUES, _heap=1 << 9, _Probe=_Probe,
-                   _claims=claims, _cdict=_real_dict, _mro=_real_mro,
-                   _slots=(types.WrapperDescriptorType, types.MethodDescriptorType, types.MethodWrapperType)):
+    def comparer(t, name, _cdict=_real_dict, _mro=_real_mro, _heap=1 << 9,
+                 _slots=(types.WrapperDescriptorType, types.MethodDescriptorType, types.MethodWrapperType)):
+        """Who wrote ``t``'s ``name`` (``__eq__``, ...): None where no class of its MRO defines
+        it; else ``(filename, heap_c)``: the file of the first definition's code, unwrapped from
+        staticmethod / classmethod / partial / bound method, or None for a C callable, then
+        whether that C callable sits on a class made at run time (the policy's) rather than
+        being a builtin slot."""
+        for cls in _mro(t):
+            cd = _cdict(cls)
+            if name not in cd:
+                continue
+            v = cd[name]
+            for _ in range(8):
+                inner = getattr(v, "__func__", None) or getattr(v, "func", None)
+                if inner is None:
+                    break
+                v = inner
+            code = getattr(v, "__code__", None)
+            if code is not None:
+                return code.co_filename, False
+            return None, bool(cls.__flags__ & _heap) and type(v) not in _slots
+        return None
+
+    def foreign_eq(x, budget, _classify=classify, _values=BUILTIN_VALUES, _Probe=_Probe,
+                   _claims=claims, _comparer=comparer):
         """The first object in ``x`` (itself, or inside builtin containers) whose comparison
         the policy wrote and which claims to equal an arbitrary object."""
         t = type(x)
@@ -369,29 +391,17 @@ def main() -> None:
             return None
         _probe = _Probe()
         for name in ("__eq__", "__ne__", "__contains__"):
-            for cls in _mro(t):
-                cd = _cdict(cls)
-                if name not in cd:
-                    continue
-                v = cd[name]
-                for _ in range(8):  # staticmethod / classmethod / partial / bound method around it
-                    inner = getattr(v, "__func__", None) or getattr(v, "func", None)
-                    if inner is None:
-                        break
-                    v = inner
-                code = getattr(v, "__code__", None)
-                if code is not None:
-                    ours = _classify(code.co_filename) == "solution"
-                else:  # a C callable put on a class the policy made
-                    ours = bool(cls.__flags__ & _heap) and type(v) not in _slots
-                if ours and (name == "__bool__" or _claims(x, name, _probe)):
-                    return f"{t.__qualname__}.{name}"
-                break
+            who = _comparer(t, name)
+            if who is None:
+                continue
+            filename, heap_c = who
+            ours = _classify(filename) == "solution" if filename is not None else heap_c
+            if ours and _claims(x, name, _probe):
+                return f"{t.__qualname__}.{name}"
         return None
 
-    def disagrees(x, b, op, budget, _classify=classify, _values=BUILTIN_VALUES, _heap=1 << 9, _protected=protected,
-                  _cdict=_real_dict, _mro=_real_mro, _claims=claims, _Probe=_Probe,
-                  _slots=(types.WrapperDescriptorType, types.MethodDescriptorType, types.MethodWrapperType)):
+    def disagrees(x, b, op, budget, _classify=classify, _values=BUILTIN_VALUES, _protected=protected,
+                  _claims=claims, _Probe=_Probe, _comparer=comparer):
         """Where ``x`` is compared with the builtin value ``b``: the first part of ``x`` (itself,
         or an item at the same place in a builtin container) whose comparison the policy (or
         pytest: ``approx`` handed back as a result) wrote and which claims equality that
@@ -415,24 +425,15 @@ def main() -> None:
                             return r
             return None
         name = "__ne__" if op == "!=" else "__eq__"
+        who = _comparer(t, name)
         ours = False
-        for cls in _mro(t):
-            cd = _cdict(cls)
-            if name not in cd:
-                continue
-            v = cd[name]
-            for _ in range(8):
-                inner = getattr(v, "__func__", None) or getattr(v, "func", None)
-                if inner is None:
-                    break
-                v = inner
-            code = getattr(v, "__code__", None)
-            if code is not None:
-                k = _classify(code.co_filename)  # the policy's, or pytest's (approx)
-                ours = k == "solution" or (k == "trusted" and code.co_filename not in _protected)
+        if who is not None:
+            filename, heap_c = who
+            if filename is not None:
+                k = _classify(filename)  # the policy's, or pytest's (approx)
+                ours = k == "solution" or (k == "trusted" and filename not in _protected)
             else:
-                ours = bool(cls.__flags__ & _heap) and type(v) not in _slots
-            break
+                ours = heap_c
         if not ours:
             # library code: ready-made always-equal objects exist there (unittest.mock.ANY,
             # test.support.ALWAYS_EQ); an honest library __eq__ (Fraction, Decimal) does not

@@ -185,7 +185,7 @@ def test_eval_without_held_out_tasks_or_checkpoint_is_an_error(sft_run, tmp_path
     assert p.returncode == 2 and f"--checkpoint {tmp_path}: no trainer checkpoint" in p.stderr
 
 
-def test_two_data_parallel_ranks_train_the_same_losses(sft_run, comm_rules):  # gloo and NCCL rules
+def test_two_data_parallel_ranks_train_the_same_losses(sft_run, comm_rules):  # under NCCL's rules
     """DP=2 (each rank half of every batch, gradients averaged by megatron's DDP) must give the
     single-rank run's losses: the loss is normalised by the whole step's token count."""
     from megatron_tg.parallel.ports import free_port

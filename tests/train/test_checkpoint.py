@@ -21,7 +21,7 @@ from megatron_tg.testing.distributed import run_distributed
 from megatron_tg.train.checkpoint import Checkpointer
 from tests.train.common import make_samples, tiny_policy
 
-# Every test here under plain gloo and under NCCL's rules (tests/conftest.py: comm_rules).
+# Every test here under NCCL's rules (tests/conftest.py: comm_rules; plain gloo on request).
 pytestmark = pytest.mark.usefixtures("comm_rules")
 
 

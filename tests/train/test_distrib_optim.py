@@ -30,7 +30,7 @@ from megatron_tg.testing.distributed import run_distributed
 from tests.train.common import make_samples, tiny_policy
 from tests.train.test_trainer import checkpoint  # noqa: F401  (the fixture)
 
-# Every test here under plain gloo and under NCCL's rules (tests/conftest.py: comm_rules).
+# Every test here under NCCL's rules (tests/conftest.py: comm_rules; plain gloo on request).
 pytestmark = pytest.mark.usefixtures("comm_rules")
 
 # (name, optimizer kind, params dtype, TP, EP, OptimizerConfig fields)

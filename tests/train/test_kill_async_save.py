@@ -17,7 +17,7 @@ import pytest
 
 from tests.train.test_kill_resume import RUBRIC, _last_by_step, _latest, _rows, _start, _tail, policy_dir  # noqa: F401
 
-# Every test here under plain gloo and under NCCL's rules (tests/conftest.py: comm_rules).
+# Every test here under NCCL's rules (tests/conftest.py: comm_rules; plain gloo on request).
 pytestmark = pytest.mark.usefixtures("comm_rules")
 
 N, K = 4, 2  # killed while step K's checkpoint is written, during step K + 1

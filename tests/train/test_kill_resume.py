@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-# Every test here under plain gloo and under NCCL's rules (tests/conftest.py: comm_rules).
+# Every test here under NCCL's rules (tests/conftest.py: comm_rules; plain gloo on request).
 pytestmark = pytest.mark.usefixtures("comm_rules")
 
 REPO = Path(__file__).resolve().parents[2]

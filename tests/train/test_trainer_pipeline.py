@@ -16,7 +16,7 @@ from megatron_tg.testing.distributed import run_distributed
 from tests.models.qwen3_moe.common import tiny_hf_model
 from tests.train.common import make_samples
 
-# Every test here under plain gloo and under NCCL's rules (tests/conftest.py: comm_rules).
+# Every test here under NCCL's rules (tests/conftest.py: comm_rules; plain gloo on request).
 pytestmark = pytest.mark.usefixtures("comm_rules")
 
 
