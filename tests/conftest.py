@@ -22,6 +22,8 @@ def _test_rules() -> tuple[str, ...]:
     return rules
 
 
+# optionalhook: without pytest-xdist installed (a plain `pytest` run) the hook is unknown to pytest.
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist with ``--dist loadfile`` (``scripts/test.sh`` runs two workers): a
     module's tests stay on one worker, so its module-scoped fixtures (training runs shared by

@@ -25,7 +25,7 @@ from megatron_tg.agent.tasks import Task, materialize, write_files
 from megatron_tg.agent.tools import Tools
 
 from .conftest import NOBODY, REPO
-from .hostile_review2 import REVIEW2
+from .hostile_review2 import REVIEW2, REVIEW2_LEFT_OPEN, marshal_plugin, sourceless_pyc
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
 # ---------------------------------------------------------------- in-process tampering
@@ -392,3 +392,17 @@ def test_the_second_review_s_winning_solutions_are_graded_fail(grader, name):
     files, reason = REVIEW2[name]
     g = grade(grader, files)
     assert not g.passed and g.reason.startswith(reason), (g.reason, g.flags, g.output[-2000:])
+
+
+@pytest.mark.parametrize("name", list(REVIEW2_LEFT_OPEN))
+def test_what_the_second_review_left_open_is_graded_fail(grader, name):
+    """The four solutions still graded PASS when the second review ended: the expected values
+    read from the hidden test's code object, the half-imported test module's class swapped to
+    hand pytest no-op tests, a report patch that removes itself while the report is built, and a
+    report-flipping plugin loaded from ``marshal`` under pytest's own file name; and one found
+    while mending that: a sourceless ``.pyc`` imported under pytest's file name."""
+    files, reason = REVIEW2_LEFT_OPEN[name]
+    built = {"marshal-plugin": marshal_plugin, "sourceless-pyc": sourceless_pyc}
+    g = grade(grader, files or {"calc.py": built[name]()})
+    assert not g.passed and g.reason.startswith(reason), (g.reason, g.flags, g.output[-2000:])
+
