@@ -257,6 +257,23 @@ def test_the_weight_path_does_not_import_the_embedded_engine():
         assert not engine, f"{mod} imports the embedded engine: {engine}"
 
 
+def test_no_module_calls_another_s_private_client_call():
+    """The SGLang client's ``_call`` is its own (and its weight-update subclass's): the rest
+    of the project asks through ``SGLangClient.request``."""
+    owners = {"rollout/client.py", "rollout/weight_client.py"}
+    found = []
+    for mod, path in find_modules().items():
+        rel = path.relative_to(ROOT / PACKAGE.replace(".", "/")).as_posix()
+        if rel in owners:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            f = node.func if isinstance(node, ast.Call) else None
+            if (isinstance(f, ast.Attribute) and f.attr == "_call" and len(node.args) >= 3  # (url, method, path)
+                    and not (isinstance(f.value, ast.Name) and f.value.id == "self")):
+                found.append(f"{mod}:{node.lineno}")
+    assert not found, f"private client calls outside the client: {found}"
+
+
 if __name__ == "__main__":
     g = build_graph()
     for what, edges in (("runtime", g.runtime), ("runtime + TYPE_CHECKING", g.combined())):

@@ -120,7 +120,7 @@ async def _probe(urls: Sequence[str], seeded: bool = False) -> list[tuple[str, s
         flags = {}
         for url in urls:
             try:
-                flags[url] = (await client._call(url, "GET", "/server_info")).get("enable_deterministic_inference")
+                flags[url] = (await client.request(url, "GET", "/server_info")).get("enable_deterministic_inference")
             except (SGLangClientError, AttributeError):
                 flags[url] = None
         off = [u for u, f in flags.items() if f is False]

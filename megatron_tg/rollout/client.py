@@ -518,6 +518,14 @@ class SGLangClient(WeightUpdateCalls):
         return SGLangClientError(f"request {rid} failed after {attempts} attempts on all servers: {detail}", rid, errors)
 
     # ---- admin (broadcast) ---------------------------------------------------------------
+    async def request(self, url: str, method: str, path: str, body: Any = None,
+                      timeout_s: float | None = None) -> Any:
+        """One admin call to one server (an engine, or an sglang-router's own ``/workers``
+        API), with the job's key and the admin timeout: the decoded JSON body (text where
+        the endpoint answers plain text, None when empty). HTTP errors raise
+        :class:`SGLangClientError` naming the call and the status."""
+        return await self._call(url, method, path, body, timeout_s)
+
     async def _call(self, url: str, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.admin_timeout_s, sock_connect=self.connect_timeout_s)
         async with self._http().request(method, f"{url}{path}", json=body, timeout=timeout) as r:

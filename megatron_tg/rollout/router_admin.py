@@ -27,7 +27,7 @@ async def router_workers(client, router: str) -> dict[str, dict[str, Any]]:
     """url -> the router's entry for it."""
     from .client import SGLangClientError
 
-    body = await client._call(router, "GET", "/workers")
+    body = await client.request(router, "GET", "/workers")
     if not isinstance(body, dict) or not isinstance(body.get("workers"), list):
         raise SGLangClientError(f"{router}/workers: expected {{'workers': [...]}}, got {body!r:.200}")
     return {str(w["url"]).rstrip("/"): w for w in body["workers"] if isinstance(w, dict) and w.get("url")}
@@ -54,7 +54,7 @@ async def remove_worker(client, router: str, url: str, timeout_s: float = 60.0) 
     entry = (await router_workers(client, router)).get(url)
     if entry is None:
         return False
-    await client._call(router, "DELETE", f"/workers/{quote(str(entry['id']), safe='')}")
+    await client.request(router, "DELETE", f"/workers/{quote(str(entry['id']), safe='')}")
     await _until(client, router, lambda w: url not in w, f"removing {url}", timeout_s)
     log.info("router %s: %s removed", router, url)
     return True
@@ -64,7 +64,7 @@ async def add_worker(client, router: str, url: str, timeout_s: float = 120.0) ->
     """Put ``url`` back behind the router and wait until the router lists it healthy."""
     url = url.rstrip("/")
     if url not in await router_workers(client, router):
-        await client._call(router, "POST", "/workers", {"url": url})
+        await client.request(router, "POST", "/workers", {"url": url})
     await _until(client, router, lambda w: bool(w.get(url, {}).get("is_healthy")),
                  f"adding {url}", timeout_s)
     log.info("router %s: %s added", router, url)

@@ -50,7 +50,7 @@ def test_the_regrouped_target_is_the_one_the_next_sync_uses(tmp_path):
             await c.begin_weight_update(group)
             await c.update_weights_from_distributed(group, norm)
             await c.end_weight_update(group)
-            return await c._call(a, "POST", "/get_weights_by_name", {"name": "model.norm.weight",
+            return await c.request(a, "POST", "/get_weights_by_name", {"name": "model.norm.weight",
                                                                       "truncate_size": 4})
 
         got = first.call(push(first.weight_target().group))
