@@ -9,6 +9,7 @@ sets and, for the earlier 300-step build, on two machines (recorded there).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -296,7 +297,8 @@ def quick_build(quick_base):
 @pytest.mark.slow
 def test_quick_build_properties(quick_build):
     out, m = quick_build
-    assert m["cached"] is False and m["n_params"] < 2_000_000
+    # built here, unless the run was handed an earlier build of the same hash (conftest.py)
+    assert m["cached"] is bool(os.environ.get("TG_TEST_QUICK_BASE")) and m["n_params"] < 2_000_000
     # (b) the new format never appears without the hint; (c) the hint switches to it
     assert m["new_format_no_hint"] <= 0.01
     assert m["p_branch_no_hint_mean"] < 1e-3
