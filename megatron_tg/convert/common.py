@@ -155,6 +155,25 @@ class MemoryTracker:
                 **{f"peak_anon_{k}": v for k, v in self.phases.items()}}
 
 
+def build_shard(config: dict, layout, dtype: str, vocab_pad_multiple: int):
+    """One conversion rank's start, the same for both directions: this rank's parallel state
+    at ``layout``, its memory baseline taken before any weight exists, and its model shard
+    (uninitialised: the weights come from the file being converted). Returns
+    ``(tracker, arch, model)``."""
+    from megatron_tg.models.qwen3_moe import build_model
+    from megatron_tg.models.qwen3_moe.config import Qwen3Arch
+    from megatron_tg.parallel.state import init_parallel
+
+    mem = MemoryTracker()
+    init_parallel(layout)
+    mem.mark_baseline()
+    arch = Qwen3Arch.from_hf(config)
+    model = build_model(arch, tp=layout.tp, ep=layout.ep, pp=layout.pp, etp=layout.etp,
+                        params_dtype=dtype_from_name(dtype), perform_initialization=False,
+                        vocab_pad_multiple=vocab_pad_multiple)
+    return mem, arch, model
+
+
 def summary_line(verb: str, tensors: int, nbytes_: int, seconds: float, out_dir: str,
                  ranks: list[dict] | None = None) -> str:
     rate = nbytes_ / 1e6 / seconds if seconds > 0 else float("inf")

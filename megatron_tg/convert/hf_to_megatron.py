@@ -30,8 +30,8 @@ from typing import Any
 from megatron_tg.convert.common import (
     HF_CONFIG_SUBDIR,
     ConversionError,
-    MemoryTracker,
     add_layout_arguments,
+    build_shard,
     dtype_from_name,
     dtype_name,
     quiet_megatron,
@@ -74,19 +74,11 @@ def _write_worker(rank: int, world: int, job: WriteJob) -> dict[str, Any]:
     from tqdm import tqdm
 
     from megatron_tg.convert.slicing import read_shard_into
-    from megatron_tg.models.qwen3_moe import build_model
     from megatron_tg.models.qwen3_moe.mapping import current_layout
-    from megatron_tg.parallel.state import destroy_parallel, init_parallel
+    from megatron_tg.parallel.state import destroy_parallel
 
-    mem = MemoryTracker()
     t0 = time.perf_counter()
-    lay = job.layout
-    init_parallel(lay)
-    mem.mark_baseline()
-    arch = Qwen3Arch.from_hf(job.config)
-    model = build_model(arch, tp=lay.tp, ep=lay.ep, pp=lay.pp, etp=lay.etp,
-                        params_dtype=dtype_from_name(job.dtype), perform_initialization=False,
-                        vocab_pad_multiple=job.vocab_pad_multiple)
+    mem, arch, model = build_shard(job.config, job.layout, job.dtype, job.vocab_pad_multiple)
     layout = current_layout(job.vocab_pad_multiple, model=model)  # with the PP layer offset
     params = list(model.named_parameters())
     shard_bytes = sum(p.numel() * p.element_size() for _, p in params)

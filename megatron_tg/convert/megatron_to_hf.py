@@ -29,8 +29,8 @@ import torch
 from megatron_tg.convert.common import (
     HF_CONFIG_SUBDIR,
     ConversionError,
-    MemoryTracker,
     add_layout_arguments,
+    build_shard,
     config_dtype,
     dtype_from_name,
     dtype_name,
@@ -146,24 +146,16 @@ def _export_worker(rank: int, world: int, job: ExportJob) -> dict[str, Any]:
     from megatron.core import parallel_state as mps
     from tqdm import tqdm
 
-    from megatron_tg.models.qwen3_moe import build_model
     from megatron_tg.models.qwen3_moe.mapping import (
         current_layout,
         merge_tp_shards,
         param_info,
         to_hf,
     )
-    from megatron_tg.parallel.state import destroy_parallel, init_parallel
+    from megatron_tg.parallel.state import destroy_parallel
 
-    mem = MemoryTracker()
     t0 = time.perf_counter()
-    lay = job.layout
-    init_parallel(lay)
-    mem.mark_baseline()
-    arch = Qwen3Arch.from_hf(job.config)
-    model = build_model(arch, tp=lay.tp, ep=lay.ep, pp=lay.pp, etp=lay.etp,
-                        params_dtype=dtype_from_name(job.dtype), perform_initialization=False,
-                        vocab_pad_multiple=job.vocab_pad_multiple)
+    mem, arch, model = build_shard(job.config, job.layout, job.dtype, job.vocab_pad_multiple)
     with mem.watch():
         load_megatron_checkpoint(model, job.megatron_dir, prefix=job.key_prefix)
     mem.end_phase("load")

@@ -166,6 +166,18 @@ def fused_vocab_parallel_entropy(hidden: torch.Tensor, weight_shard: torch.Tenso
     return out.reshape(hidden.shape[:-1])
 
 
+def _kl_setup(weight_shard, expert_weight_shard, group, vocab_size, direction, beta,
+              diagnostics, rescue_threshold):
+    """What both fused KL entry points start with: the expert's output weights (the
+    student's own unless given, same shape), the vocabulary shard and the KL kernel."""
+    expert_w = weight_shard if expert_weight_shard is None else expert_weight_shard
+    if expert_w.shape != weight_shard.shape:
+        raise ValueError(f"expert_weight_shard shape {tuple(expert_w.shape)} != "
+                         f"weight_shard {tuple(weight_shard.shape)}")
+    shard = VocabShard.build(weight_shard.shape[0], group, vocab_size)
+    return expert_w, shard, _kl_kernel(direction, beta, diagnostics, rescue_threshold)
+
+
 def fused_vocab_parallel_kl(student_hidden: torch.Tensor, expert_hidden: torch.Tensor,
                             weight_shard: torch.Tensor, group: Group = None, *,
                             vocab_size: Optional[int] = None, direction: str = "reverse",
@@ -181,12 +193,8 @@ def fused_vocab_parallel_kl(student_hidden: torch.Tensor, expert_hidden: torch.T
     :func:`vocab_parallel_kl`.
     """
     _check_pair(student_hidden, expert_hidden, "hidden")
-    expert_w = weight_shard if expert_weight_shard is None else expert_weight_shard
-    if expert_w.shape != weight_shard.shape:
-        raise ValueError(f"expert_weight_shard shape {tuple(expert_w.shape)} != "
-                         f"weight_shard {tuple(weight_shard.shape)}")
-    shard = VocabShard.build(weight_shard.shape[0], group, vocab_size)
-    kernel = _kl_kernel(direction, beta, diagnostics, rescue_threshold)
+    expert_w, shard, kernel = _kl_setup(weight_shard, expert_weight_shard, group, vocab_size,
+                                        direction, beta, diagnostics, rescue_threshold)
     out = ChunkedLinear.apply(kernel, shard, _check_chunk(chunk_size),
                               reduce_hidden_grad, _rows(student_hidden), weight_shard,
                               _rows(expert_hidden.detach()), expert_w.detach(), None)
@@ -217,12 +225,8 @@ def fused_vocab_parallel_kl_loss(student_hidden: torch.Tensor, expert_hidden: to
     if token_weights.shape != student_hidden.shape[:-1]:
         raise ValueError(f"token_weights shape {tuple(token_weights.shape)} != hidden's leading "
                          f"{tuple(student_hidden.shape[:-1])}")
-    expert_w = weight_shard if expert_weight_shard is None else expert_weight_shard
-    if expert_w.shape != weight_shard.shape:
-        raise ValueError(f"expert_weight_shard shape {tuple(expert_w.shape)} != "
-                         f"weight_shard {tuple(weight_shard.shape)}")
-    shard = VocabShard.build(weight_shard.shape[0], group, vocab_size)
-    kernel = _kl_kernel(direction, beta, diagnostics, rescue_threshold)
+    expert_w, shard, kernel = _kl_setup(weight_shard, expert_weight_shard, group, vocab_size,
+                                        direction, beta, diagnostics, rescue_threshold)
     loss, values = ChunkedLinearLoss.apply(
         kernel, shard, _check_chunk(chunk_size), reduce_hidden_grad, rows,
         weight_shard, _rows(expert_hidden.detach()), expert_w.detach(),

@@ -80,7 +80,23 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
     return math.sqrt(float(dense + expert))
 
 
-class CPUAdamW:
+class _LearningRate:
+    """The learning rate both optimizers expose, read from and written to every param group
+    of the torch optimizer they wrap (``self.opt``), as the scheduler sets it each step."""
+
+    opt: Any
+
+    @property
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = value
+
+
+class CPUAdamW(_LearningRate):
     """AdamW on megatron DDP's ``main_grad`` with global-norm clipping (CPU path)."""
 
     def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0,
@@ -106,15 +122,6 @@ class CPUAdamW:
             a, b = equal_ranges(p.numel(), rank, size)
             out.append(MainShard(param=p, main=m.detach().view(-1)[a:b], start=a, group=group))
         return out
-
-    @property
-    def lr(self) -> float:
-        return self.opt.param_groups[0]["lr"]
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        for g in self.opt.param_groups:
-            g["lr"] = value
 
     def zero_grad(self) -> None:
         zero = getattr(self.model, "zero_grad_buffer", None)
@@ -220,7 +227,7 @@ def _drop_empty_states(opt) -> int:
     return len(empty)
 
 
-class MegatronOptimizer:
+class MegatronOptimizer(_LearningRate):
     """megatron-core's optimizer (distributed when ``use_distributed_optimizer``).
 
     It owns the fp32 master weights, reads DDP's grad buffers, clips with the same rule as
@@ -240,15 +247,6 @@ class MegatronOptimizer:
                             use_distributed_optimizer=distributed),
             [model])
         self.num_steps = 0
-
-    @property
-    def lr(self) -> float:
-        return self.opt.param_groups[0]["lr"]
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        for g in self.opt.param_groups:
-            g["lr"] = value
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
