@@ -4,16 +4,18 @@ Real Qwen3-Coder weights/tokenizers cannot be downloaded on the CI machines, yet
 touches tokens (rollouts, expert sequences, judges, tiny test models) must run against the same
 *framing* as Qwen3-Coder: ChatML turns, Qwen's special tokens as single ids, tool calls in
 Qwen3-Coder's XML format. :func:`build_tiny_tokenizer` trains a byte-level BPE (the same model
-family as Qwen's tokenizer) on a small synthetic corpus of code / agent text and attaches a
-Qwen3-Coder-style chat template written from the format description (:data:`CHAT_TEMPLATE`).
+family as Qwen's tokenizer) on a small synthetic corpus of code / agent text and attaches
+Qwen3-Coder's current chat template (the 2025-09 release), rewritten (:data:`CHAT_TEMPLATE`).
 
 Deliberate differences from the real Qwen tokenizer, all in favour of exactness in tests:
 
 * no NFC normaliser: ``decode(encode(x)) == x`` for *any* str (Qwen NFC-normalises input);
 * the vocabulary is tiny (default 1024 ids incl. special tokens) so tiny models stay tiny;
-* the template keeps ``<think>`` reasoning of *every* assistant turn (Qwen3's template drops
-  reasoning before the last user query). Token-exact rollouts never re-render history, so
-  keeping it makes "render the whole conversation" equal "concatenate the turns".
+* the template keeps ``<think>`` reasoning of *every* assistant turn (the released Coder
+  template drops reasoning) -- its one difference from the release, tested as such
+  (``tests/chat/test_chat_tokenizer.py``). The demo's thinking criteria, its KL on thinking
+  tokens and the ``no_thinking`` arm need the thinking in the tokens; token-exact rollouts
+  never re-render history, so "render the whole conversation" equals "concatenate the turns".
 """
 
 from __future__ import annotations
@@ -42,80 +44,108 @@ QWEN_SPLIT_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# The chat template. Written from the format description (not copied): every message renders
-# as "<|im_start|>{role}\n{body}<|im_end|>\n"; the first system message also carries the tool
-# list; an assistant body is "[<think>\n{reasoning}\n</think>\n\n]{content}[\n\n]{tool calls}"
-# with calls in Qwen3-Coder XML ("<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n
-# </function>\n</tool_call>", consecutive calls separated by "\n"); consecutive tool results
-# are grouped into ONE user message of "<tool_response>\n{result}\n</tool_response>\n" blocks;
-# the generation prompt is "<|im_start|>assistant\n". Non-string argument values are rendered
-# as JSON (Qwen3-Coder uses Python's str() for scalars; JSON is unambiguous to parse back).
-CHAT_TEMPLATE = r"""{#- Qwen3-Coder-style ChatML template (megatron-tg tiny tokenizer). -#}
-{%- macro render_value(v) -%}
-{%- if v is string -%}{{- v -}}{%- else -%}{{- v | tojson -}}{%- endif -%}
+# The chat template: Qwen3-Coder's current release (the 2025-09 ``chat_template.jinja`` in
+# tests/fixtures/qwen3_coder/), written again here, with ONE intended difference: an assistant
+# turn's ``reasoning_content`` is kept as "<think>\n{reasoning}\n</think>\n" right after the
+# role line (the release drops reasoning; the demo's thinking criteria, its thinking-token KL
+# and the ``no_thinking`` arm need it). Otherwise it renders what the release renders, byte for
+# byte (tests/chat/test_chat_tokenizer.py compares the two on every case below): the release's
+# system prompt when tools come without a system message; the ``# Tools`` block with every
+# extra key of a parameter, of ``parameters`` and of the function (mappings and lists as JSON);
+# argument values as the release writes them (mappings and lists as JSON, everything else
+# Python's ``str()``: ``True``, ``None``, ``2.5``); a turn without calls as its content,
+# untrimmed; consecutive tool results grouped into one user message of <tool_response>
+# blocks (a tool result that is the first message after the system prompt opens no user turn,
+# as in the release). Two guards the release lacks, neither of which changes a rendering the
+# release can produce: an empty conversation or a ``None`` content renders instead of raising,
+# and arguments that are not a mapping raise a clear error (parse JSON strings first).
+CHAT_TEMPLATE = r"""{#- Qwen3-Coder's chat template (2025-09 release) keeping reasoning (megatron-tg tiny tokenizer). -#}
+{%- macro render_extra_keys(json_dict, handled_keys) -%}
+  {%- if json_dict is mapping -%}
+    {%- for json_key in json_dict if json_key not in handled_keys -%}
+      {%- if json_dict[json_key] is mapping or (json_dict[json_key] is sequence and json_dict[json_key] is not string) -%}
+        {{- '\n<' ~ json_key ~ '>' ~ (json_dict[json_key] | tojson | safe) ~ '</' ~ json_key ~ '>' -}}
+      {%- else -%}
+        {{- '\n<' ~ json_key ~ '>' ~ (json_dict[json_key] | string) ~ '</' ~ json_key ~ '>' -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
 {%- endmacro -%}
+{%- macro text(v) -%}{%- if v is string -%}{{- v -}}{%- endif -%}{%- endmacro -%}
 {%- if messages and messages[0].role == 'system' -%}
-  {%- set system_message = messages[0].content -%}
+  {%- set system_message = text(messages[0].content) -%}
   {%- set loop_messages = messages[1:] -%}
 {%- else -%}
   {%- set loop_messages = messages -%}
 {%- endif -%}
-{%- set has_tools = tools is defined and tools is not none and tools | length > 0 -%}
-{%- if system_message is defined or has_tools -%}
-  {{- '<|im_start|>system\n' -}}
-  {%- if system_message is defined -%}{{- system_message -}}
-  {%- else -%}{{- 'You are a helpful coding agent that can use tools to solve tasks.' -}}{%- endif -%}
-  {%- if has_tools -%}
-    {{- '\n\n# Tools\n\nYou have access to the following functions:\n\n<tools>' -}}
-    {%- for tool in tools -%}
-      {%- set fn = tool.function if tool.function is defined else tool -%}
-      {{- '\n<function>\n<name>' ~ fn.name ~ '</name>' -}}
-      {%- if fn.description is defined -%}{{- '\n<description>' ~ (fn.description | trim) ~ '</description>' -}}{%- endif -%}
-      {{- '\n<parameters>' -}}
-      {%- if fn.parameters is defined and fn.parameters.properties is defined -%}
-        {%- for pname, pfields in fn.parameters.properties | items -%}
-          {{- '\n<parameter>\n<name>' ~ pname ~ '</name>' -}}
-          {%- if pfields.type is defined -%}{{- '\n<type>' ~ (pfields.type | string) ~ '</type>' -}}{%- endif -%}
-          {%- if pfields.description is defined -%}{{- '\n<description>' ~ (pfields.description | trim) ~ '</description>' -}}{%- endif -%}
-          {{- '\n</parameter>' -}}
-        {%- endfor -%}
-      {%- endif -%}
-      {%- if fn.parameters is defined and fn.parameters.required is defined -%}{{- '\n<required>' ~ (fn.parameters.required | tojson) ~ '</required>' -}}{%- endif -%}
-      {{- '\n</parameters>\n</function>' -}}
-    {%- endfor -%}
-    {{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>' -}}
-  {%- endif -%}
-  {{- '<|im_end|>\n' -}}
+{%- set has_tools = tools is defined and tools is not none and tools is iterable and tools | length > 0 -%}
+{%- if system_message is defined -%}
+  {{- '<|im_start|>system\n' ~ system_message -}}
+{%- elif has_tools -%}
+  {{- '<|im_start|>system\nYou are Qwen, a helpful AI assistant that can interact with a computer to solve tasks.' -}}
 {%- endif -%}
+{%- if has_tools -%}
+  {{- '\n\n# Tools\n\nYou have access to the following functions:\n\n<tools>' -}}
+  {%- for tool in tools -%}
+    {%- if tool.function is defined -%}{%- set tool = tool.function -%}{%- endif -%}
+    {{- '\n<function>\n<name>' ~ tool.name ~ '</name>' -}}
+    {%- if tool.description is defined -%}{{- '\n<description>' ~ (tool.description | trim) ~ '</description>' -}}{%- endif -%}
+    {{- '\n<parameters>' -}}
+    {%- if tool.parameters is defined and tool.parameters is mapping and tool.parameters.properties is defined and tool.parameters.properties is mapping -%}
+      {%- for param_name, param_fields in tool.parameters.properties | items -%}
+        {{- '\n<parameter>\n<name>' ~ param_name ~ '</name>' -}}
+        {%- if param_fields.type is defined -%}{{- '\n<type>' ~ (param_fields.type | string) ~ '</type>' -}}{%- endif -%}
+        {%- if param_fields.description is defined -%}{{- '\n<description>' ~ (param_fields.description | trim) ~ '</description>' -}}{%- endif -%}
+        {{- render_extra_keys(param_fields, ['name', 'type', 'description']) -}}
+        {{- '\n</parameter>' -}}
+      {%- endfor -%}
+    {%- endif -%}
+    {{- render_extra_keys(tool.parameters, ['type', 'properties']) -}}
+    {{- '\n</parameters>' -}}
+    {{- render_extra_keys(tool, ['type', 'name', 'description', 'parameters']) -}}
+    {{- '\n</function>' -}}
+  {%- endfor -%}
+  {{- '\n</tools>' -}}
+  {{- '\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT>' -}}
+{%- endif -%}
+{%- if system_message is defined or has_tools -%}{{- '<|im_end|>\n' -}}{%- endif -%}
 {%- for message in loop_messages -%}
   {%- if message.role == 'assistant' -%}
-    {{- '<|im_start|>assistant\n' -}}
-    {%- set reasoning = (message.reasoning_content if message.reasoning_content is string else '') | trim -%}
-    {%- if reasoning -%}{{- '<think>\n' ~ reasoning ~ '\n</think>\n\n' -}}{%- endif -%}
-    {%- set content = (message.content if message.content is string else '') | trim -%}
-    {{- content -}}
-    {%- if message.tool_calls is defined and message.tool_calls -%}
-      {%- for tc in message.tool_calls -%}
-        {%- set call = tc.function if tc.function is defined else tc -%}
-        {%- if loop.first -%}{%- if content -%}{{- '\n\n' -}}{%- endif -%}{%- else -%}{{- '\n' -}}{%- endif -%}
-        {{- '<tool_call>\n<function=' ~ call.name ~ '>\n' -}}
-        {%- if call.arguments is mapping -%}
-          {%- for aname, avalue in call.arguments | items -%}
-            {{- '<parameter=' ~ aname ~ '>\n' ~ render_value(avalue) ~ '\n</parameter>\n' -}}
+    {%- set reasoning = text(message.reasoning_content) | trim -%}
+    {%- set think = '<think>\n' ~ reasoning ~ '\n</think>\n' if reasoning else '' -%}
+    {%- if message.tool_calls is defined and message.tool_calls is iterable and message.tool_calls | length > 0 -%}
+      {{- '<|im_start|>assistant' -}}
+      {%- if think -%}{{- '\n' ~ think -}}{%- endif -%}
+      {%- set content = text(message.content) | trim -%}
+      {%- if content | length > 0 -%}{{- '\n' ~ content ~ '\n' -}}{%- endif -%}
+      {%- for tool_call in message.tool_calls -%}
+        {%- if tool_call.function is defined -%}{%- set tool_call = tool_call.function -%}{%- endif -%}
+        {{- '\n<tool_call>\n<function=' ~ tool_call.name ~ '>\n' -}}
+        {%- if tool_call.arguments is mapping -%}
+          {%- for args_name, args_value in tool_call.arguments | items -%}
+            {{- '<parameter=' ~ args_name ~ '>\n' -}}
+            {%- if args_value is mapping or (args_value is sequence and args_value is not string) -%}
+              {{- args_value | tojson | safe -}}
+            {%- else -%}
+              {{- args_value | string -}}
+            {%- endif -%}
+            {{- '\n</parameter>\n' -}}
           {%- endfor -%}
-        {%- elif call.arguments is defined and call.arguments is not none -%}
+        {%- elif tool_call.arguments is defined and tool_call.arguments is not none -%}
           {{- raise_exception('tool call arguments must be a mapping; parse JSON strings first') -}}
         {%- endif -%}
         {{- '</function>\n</tool_call>' -}}
       {%- endfor -%}
+      {{- '<|im_end|>\n' -}}
+    {%- else -%}
+      {{- '<|im_start|>assistant\n' ~ (think ~ '\n' if think else '') ~ text(message.content) ~ '<|im_end|>\n' -}}
     {%- endif -%}
-    {{- '<|im_end|>\n' -}}
   {%- elif message.role == 'tool' -%}
-    {%- if loop.first or loop.previtem.role != 'tool' -%}{{- '<|im_start|>user\n' -}}{%- endif -%}
-    {{- '<tool_response>\n' ~ message.content ~ '\n</tool_response>\n' -}}
+    {%- if loop.previtem and loop.previtem.role != 'tool' -%}{{- '<|im_start|>user\n' -}}{%- endif -%}
+    {{- '<tool_response>\n' ~ text(message.content) ~ '\n</tool_response>\n' -}}
     {%- if loop.last or loop.nextitem.role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
   {%- else -%}
-    {{- '<|im_start|>' ~ message.role ~ '\n' ~ message.content ~ '<|im_end|>\n' -}}
+    {{- '<|im_start|>' ~ message.role ~ '\n' ~ text(message.content) ~ '<|im_end|>\n' -}}
   {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}

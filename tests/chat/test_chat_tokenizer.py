@@ -4,6 +4,7 @@ determinism, and the chat template's rendering."""
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +19,7 @@ from megatron_tg.chat.tokenizer import (
     build_tiny_tokenizer,
 )
 
-from .convos import SEARCH_TOOL, call
+from .convos import SEARCH_TOOL, call, conversation
 
 
 def test_special_tokens_are_single_top_ids(tok):
@@ -129,4 +130,79 @@ def test_template_json_string_arguments_and_non_string_values(tok):
          "tool_calls": [{"type": "function",
                          "function": {"name": "f", "arguments": '{"a": [1, 2], "b": true}'}}]}
     out = render(tok, [{"role": "user", "content": "x"}, m])
-    assert "<parameter=a>\n[1, 2]\n</parameter>\n<parameter=b>\ntrue\n</parameter>" in out
+    # as the release writes them: lists and mappings as JSON, other values as Python's str()
+    assert "<parameter=a>\n[1, 2]\n</parameter>\n<parameter=b>\nTrue\n</parameter>" in out
+
+
+# --------------------------------------------------------------------------- the current release
+CURRENT_RELEASE = "2025-09"
+"""The Qwen3-Coder template version the tiny template follows (tests/fixtures/qwen3_coder)."""
+
+_THINK = re.compile(r"\n<think>\n.*?\n</think>\n", re.S)
+
+_RICH_TOOLS = [
+    SEARCH_TOOL,
+    {"type": "function", "function": {
+        "name": "edit", "description": "  Replace text in a file.  ", "strict": True,
+        "parameters": {"type": "object", "additionalProperties": False,
+                       "properties": {"path": {"type": "string", "minLength": 1},
+                                      "mode": {"type": "string", "enum": ["replace", "append"],
+                                               "description": "How."},
+                                      "count": {"type": ["integer", "null"], "default": None}},
+                       "required": ["path", "mode"]}}},
+    {"type": "function", "function": {"name": "ping"}},                  # no description, no parameters
+    {"name": "bare", "parameters": {"type": "object", "properties": {}}},  # not wrapped in "function"
+]
+
+_ARGS = {"s": "text", "multi": "a\nb\n", "uni": "naïve ✓", "empty": "", "i": 3, "neg": -7,
+         "f": 2.5, "t": True, "fa": False, "none": None, "obj": {"dry_run": False, "n": [1, 2]},
+         "arr": ["x", 1, None], "earr": []}
+
+
+def _cases() -> dict[str, tuple[list[dict], list | None]]:
+    think = {"role": "assistant", "reasoning_content": "  Look first. ", "content": "",
+             "tool_calls": [call("search", query="foo")]}
+    return {
+        "conversation": (conversation(), [SEARCH_TOOL]),
+        "conversation without tools": (conversation(), None),
+        "every argument type": ([{"role": "user", "content": "go"},
+                                 {"role": "assistant", "content": " Calling. ",
+                                  "tool_calls": [call("edit", **_ARGS), call("ping")]},
+                                 {"role": "tool", "content": "ok"}, {"role": "tool", "content": "pong"},
+                                 {"role": "assistant", "content": "\n done \n"}], _RICH_TOOLS),
+        "tools, no system message": ([{"role": "user", "content": "hi"}, think], _RICH_TOOLS),
+        "system, no tools": ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                              {"role": "assistant", "reasoning_content": "why", "content": "hello"}], None),
+        "no system, no tools": ([{"role": "user", "content": "hi"}, think,
+                                 {"role": "tool", "content": "r"}, {"role": "user", "content": "hint"},
+                                 {"role": "assistant", "content": "x"}], None),
+        "tool result first after the system prompt": ([{"role": "system", "content": "S"},
+                                                       {"role": "tool", "content": "r"},
+                                                       {"role": "user", "content": "u"}], [SEARCH_TOOL]),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_the_tiny_template_is_the_current_release_plus_thinking(tok, case, generation_prompt):
+    """The one intended difference from Qwen3-Coder's current template: reasoning is kept, as
+    "\\n<think>\\n{reasoning}\\n</think>\\n" after the role line. Removing that span from the
+    tiny template's rendering gives the release's rendering byte for byte; with no reasoning
+    in the conversation the two are identical."""
+    from .qwen3_coder import template_text
+
+    release = template_text(CURRENT_RELEASE)
+    msgs, tools = _cases()[case]
+
+    def both(messages):
+        kw = dict(tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+        return (tok.apply_chat_template(messages, **kw),
+                tok.apply_chat_template(messages, chat_template=release, **kw))
+
+    ours, theirs = both(msgs)
+    assert _THINK.sub("", ours) == theirs
+    kept = [m["reasoning_content"].strip() for m in msgs if m.get("reasoning_content")]
+    assert [m.group(0) for m in _THINK.finditer(ours)] == [f"\n<think>\n{r}\n</think>\n" for r in kept]
+    unthought = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in msgs]
+    ours, theirs = both(unthought)
+    assert ours == theirs
