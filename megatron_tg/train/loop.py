@@ -111,8 +111,7 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
                 break
         trainer.checkpointer.finalize(blocking=True)  # the last save completes before the exit
     finally:
-        if log is not None:
-            log.close()
+        log.close()
         if side is not None:
             side.close()
     dist.barrier()  # no rank leaves before rank 0 has stopped its engines
