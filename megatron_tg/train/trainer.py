@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_tg.config.base import ConfigError
 from megatron_tg.config.schema import TGConfig
 from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
 from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
@@ -68,6 +69,16 @@ class Trainer:
 
         self.cfg = cfg
         p = cfg.parallel
+        if p.cp > 1:
+            # The model splits a packed micro-batch over CP when given one (parallel/cp.py,
+            # the CP attention), but nothing here builds one yet: every rank would run the
+            # whole sequence. Refused before any process group exists.
+            raise ConfigError(
+                f"parallel.cp={p.cp}: the trainer does not split micro-batches over context "
+                f"parallelism yet (train/batching.py pads rows to TP only, train/policy.py "
+                f"feeds every rank the full sequence; the loss, gated rows, routing replay, "
+                f"the expert pass and checkpoints are not partitioned over CP); use "
+                f"parallel.cp=1 (docs/context-parallel.md)")
         # One layout object from the config (checked against the model's shape), passed on.
         self.ctx = init_parallel(cfg.layout(LaunchEnv.from_env().world_size), seed=cfg.seed,
                                  backend=p.backend, timeout_s=cfg.timeouts.collective_s)

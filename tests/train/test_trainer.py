@@ -91,6 +91,17 @@ def test_untrained_start_is_refused(tmp_path, checkpoint):
     assert out is None
 
 
+def test_context_parallelism_is_refused_naming_what_is_missing():
+    """The model runs CP (tests/models/qwen3_moe/test_cp_model.py) but the trainer does not
+    partition its micro-batches yet: ``parallel.cp > 1`` stops before any process group."""
+    from megatron_tg.config.base import ConfigError
+    from megatron_tg.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"parallel.cp=2: the trainer does not split "
+                                          r"micro-batches .*train/batching.py pads rows to TP"):
+        Trainer(load_config("recipes/tiny_cpu.yaml", ["parallel.cp=2"]))
+
+
 def _expert_fn(rank, world, overrides, samples, ckpt_dir):
     from megatron_tg.config import load_config
     from megatron_tg.train.trainer import Trainer

@@ -23,15 +23,30 @@ one, so no mask tensor exists: memory grows with the tokens, not with their squa
 
 Bottom-right alignment: in a segment of ``n`` queries over ``m >= n`` keys, query ``i`` sees
 keys ``0 .. i + m - n``: the queries are the last ``n`` positions of the key sequence.
+
+Context parallelism (``context_parallel_size > 1``): each rank holds chunks ``r`` and
+``2·CP−1−r`` of every segment (:class:`megatron_tg.parallel.cp.CPLayout`) and
+``PackedSeqParams`` carries the *global* padded bounds. On GPU, TE's CP attention
+(``cp_comm_type="p2p"``, the one TE accepts for THD across megatron-core 0.16's TE range;
+docs/context-parallel.md). The local class is its CPU twin with the same inputs: it
+all-gathers keys and values over the CP group (:func:`~megatron_tg.parallel.cp.gather_tokens`,
+whose backward reduce-scatters their gradient), puts them in padded order with the same
+layout code, and runs each local query chunk against its causal window
+(:func:`cp_causal_attention`): chunk ``j`` of a segment sees keys ``0 .. (j+1)·c`` of it,
+bottom-right aligned. Same attention as TE's ring, not the same memory (the twin holds the
+whole K/V on each rank).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from megatron_tg.parallel.cp import CPLayout, gather_tokens
 
 
 def kv_extends_q(packed_seq_params) -> bool:
@@ -46,8 +61,6 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     """``query`` [T, heads, d], ``key``/``value`` [T_kv, groups, d] -> [T, heads, d]:
     causal attention within each segment, bottom-right aligned where the key segment is
     longer. ``cu_seqlens_*``: cumulative segment lengths (tensors or lists)."""
-    from torch.nn.attention.bias import causal_lower_right
-
     cq = cu_seqlens_q.tolist() if torch.is_tensor(cu_seqlens_q) else list(cu_seqlens_q)
     ck = cu_seqlens_kv.tolist() if torch.is_tensor(cu_seqlens_kv) else list(cu_seqlens_kv)
     if len(cq) != len(ck) or cq[-1] != query.shape[0] or ck[-1] != key.shape[0]:
@@ -64,21 +77,63 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
             continue
         if m < n:
             raise ValueError(f"a THD segment has {n} queries but only {m} keys")
-        # SDPA wants [batch, heads, L, d]; 4-D inputs select the CPU flash kernel.
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query[a:b], key[c:d], value[c:d]))
-        mask = None if m == n else causal_lower_right(n, m)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           dropout_p=dropout_p, scale=scale,
-                                           enable_gqa=heads != groups)
-        outs.append(o[0].transpose(0, 1))
+        outs.append(_segment_attention(query[a:b], key[c:d], value[c:d], scale=scale,
+                                       dropout_p=dropout_p))
+    return torch.cat(outs, dim=0)
+
+
+def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                       dropout_p: float = 0.0) -> torch.Tensor:
+    """One segment: ``q`` [n, heads, d] over ``k``/``v`` [m >= n, groups, d], causal,
+    bottom-right aligned where ``m > n``."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, m = q.shape[0], k.shape[0]
+    # SDPA wants [batch, heads, L, d]; 4-D inputs select the CPU flash kernel.
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    mask = None if m == n else causal_lower_right(n, m)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                       dropout_p=dropout_p, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
+
+
+def cp_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        layout: CPLayout, rank: int, *, scale: float) -> torch.Tensor:
+    """``query`` [local_tokens, heads, d]: CP ``rank``'s share (chunks ``r``, ``2·CP−1−r`` of
+    every segment); ``key``/``value`` [padded_tokens, groups, d]: every rank's, in padded
+    order. Returns the share's attention output [local_tokens, heads, d]."""
+    if query.shape[0] != layout.local_tokens or key.shape[0] != layout.padded_tokens:
+        raise ValueError(f"CP attention: {query.shape[0]} queries and {key.shape[0]} keys for a "
+                         f"layout of {layout.local_tokens} tokens per rank, "
+                         f"{layout.padded_tokens} in all (cp={layout.cp})")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"{query.shape[1]} query heads do not split into {key.shape[1]} "
+                         f"key/value groups")
+    m = 2 * layout.cp
+    outs, a = [], 0
+    for start, length in zip(layout.starts, layout.padded):
+        c = length // m
+        for j in (rank, m - 1 - rank):  # the share's order: chunk r, then chunk 2·CP−1−r
+            end = start + (j + 1) * c   # chunk j's last query sees keys up to its own
+            outs.append(_segment_attention(query[a:a + c], key[start:end], value[start:end],
+                                           scale=scale))
+            a += c
     return torch.cat(outs, dim=0)
 
 
 class PackedDotProductAttention(DotProductAttention):
     """megatron's local core attention, plus THD packed sequences (see the module doc)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, *args, **kwargs) -> None:
+        # megatron's local class asserts context_parallel_size == 1 (CP is TE's there); this
+        # subclass does CP itself, so the parent is built from a copy that says 1.
+        parent_config = config
+        if config.context_parallel_size > 1:
+            parent_config = copy.copy(config)
+            parent_config.context_parallel_size = 1
+        super().__init__(parent_config, *args, **kwargs)
+        self.config = config
         if self.config.softmax_type != "vanilla":
             raise NotImplementedError(f"THD attention with softmax_type={self.config.softmax_type}")
         if self.config.window_size is not None:
@@ -102,7 +157,9 @@ class PackedDotProductAttention(DotProductAttention):
         cu_kv = packed_seq_params.cu_seqlens_kv_padded
         cu_kv = packed_seq_params.cu_seqlens_kv if cu_kv is None else cu_kv
         p = self.attention_dropout.p if self.training else 0.0
-        if p and not self.config.sequence_parallel:  # same RNG stream as megatron's dropout
+        if self.config.context_parallel_size > 1:
+            out = self._cp_forward(query, key, value, packed_seq_params, cu_q, cu_kv, p)
+        elif p and not self.config.sequence_parallel:  # same RNG stream as megatron's dropout
             from megatron.core import tensor_parallel
 
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -112,6 +169,39 @@ class PackedDotProductAttention(DotProductAttention):
             out = varlen_causal_attention(query, key, value, cu_q, cu_kv,
                                           scale=self._sdpa_scale, dropout_p=p)
         return out.reshape(out.shape[0], -1)  # [T, heads * d]; SelfAttention adds b=1
+
+    def _cp_forward(self, query, key, value, packed_seq_params, cu_q, cu_kv, dropout_p):
+        """CP twin of TE's CP attention (module doc): gather K/V, attend each local chunk."""
+        same_bounds = cu_kv is cu_q or torch.equal(cu_kv, cu_q)
+        if kv_extends_q(packed_seq_params) or not same_bounds:
+            raise NotImplementedError("THD attention with context parallelism needs one set of "
+                                      "segment bounds for queries and keys (no prefix reuse)")
+        if dropout_p:
+            raise NotImplementedError(f"attention dropout {dropout_p} with context parallelism "
+                                      f"in the CPU attention")
+        group = getattr(self.pg_collection, "cp", None)
+        if group is None:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_context_parallel_group()
+        cp = self.config.context_parallel_size
+        layout = _padded_layout(tuple(cu_q.tolist()), cp)
+        layout.check_group(group)
+        if query.shape[0] != layout.local_tokens:
+            raise ValueError(f"CP attention: {query.shape[0]} local queries, but the padded "
+                             f"bounds give {layout.padded_tokens} tokens = {layout.local_tokens} "
+                             f"per rank at cp={cp}")
+        # One collective for both: [T_local, groups, d_k + d_v].
+        kv = layout.gather(torch.cat([key, value], dim=-1), group)
+        k, v = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
+        rank = torch.distributed.get_rank(group)
+        return cp_causal_attention(query, k, v, layout, rank, scale=self._sdpa_scale)
+
+
+@functools.lru_cache(maxsize=16)
+def _padded_layout(cu_padded: tuple[int, ...], cp: int) -> CPLayout:
+    """Every layer of a micro-batch sees the same bounds: build their index maps once."""
+    return CPLayout.from_padded(cu_padded, cp)
 
 
 @functools.cache
@@ -125,6 +215,12 @@ def te_core_attention() -> type:
     class TEPackedDotProductAttention(TEDotProductAttention):
         def forward(self, query, key, value, attention_mask, attn_mask_type,
                     attention_bias=None, packed_seq_params=None, num_splits=None):
+            comm = getattr(self, "cp_comm_type", None)
+            if packed_seq_params is not None and self.config.context_parallel_size > 1 and (
+                    comm != "p2p"):
+                # TE 2.9-2.11 (megatron-core 0.16's range) refuse THD on the other CP paths.
+                raise NotImplementedError(f"THD attention with cp_comm_type={comm!r}: p2p is "
+                                          f"the one TE accepts for THD (docs/context-parallel.md)")
             if packed_seq_params is None or not kv_extends_q(packed_seq_params):
                 return super().forward(query, key, value, attention_mask, attn_mask_type,
                                        attention_bias=attention_bias,

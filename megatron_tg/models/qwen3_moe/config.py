@@ -218,6 +218,9 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, cp: int = 1
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        # TE's p2p ring is the CP path that accepts THD on every TE release megatron-core 0.16
+        # supports (all_gather and a2a+p2p refuse it): docs/context-parallel.md.
+        cp_comm_type="p2p" if cp > 1 else None,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         sequence_parallel=sequence_parallel, params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
