@@ -144,14 +144,16 @@ class ShardedEMA:
     @contextlib.contextmanager
     def shaped_targets(self) -> Iterator[None]:
         """The expert's parameters shaped as in the model while the checkpoint's sharded
-        state is described (a gathered expert's hold no storage): storage-less meta tensors,
-        whose data the checkpoint replaces with :meth:`full_state`'s, so a save or load
-        needs no copy of the weights and the format stays the replicated expert's."""
+        state is described (a gathered expert's hold no storage): one element expanded to
+        each shape (a parameter's data must stay on its device, so not a meta tensor), whose
+        data the checkpoint replaces with :meth:`full_state`'s, so a save or load needs no
+        copy of the weights and the format stays the replicated expert's."""
         empty = [t.data for t in self.targets]
         try:
-            for t, shape, dtype in zip(self.targets, self.shapes, self.dtypes):
+            for t, shape, dtype, device in zip(self.targets, self.shapes, self.dtypes,
+                                               self.devices):
                 if t.numel() != shape.numel():
-                    t.data = torch.empty(shape, dtype=dtype, device="meta")
+                    t.data = torch.zeros(1, dtype=dtype, device=device).expand(shape)
             yield
         finally:
             for t, e in zip(self.targets, empty):

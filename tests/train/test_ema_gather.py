@@ -22,6 +22,7 @@ import torch
 
 from megatron_tg.testing.distributed import run_distributed
 from tests.train.common import make_samples
+from tests.train.test_trainer import checkpoint  # noqa: F401  (the fixture)
 
 # Every test here under NCCL's rules (tests/conftest.py: comm_rules; plain gloo on request).
 pytestmark = pytest.mark.usefixtures("comm_rules")
@@ -194,3 +195,55 @@ def test_gathered_ema_expert_equals_replicated_bitwise(setup, world, layouts):
                   f"{gat['peak']:,} B (head {r['head_bytes']:,} + largest unit "
                   f"{r['layer_bytes']:,} + buffer <= {r['buffer']:,}) vs the replicated copy "
                   f"{r['full_bytes']:,} B")
+
+
+def _trainer_fn(rank, world, overrides, root, samples):
+    from megatron_tg.config import load_config
+    from megatron_tg.train.trainer import Trainer
+
+    out = {}
+    for weights in ("replicated", "gathered"):
+        cfg = load_config("recipes/tiny_cpu.yaml", overrides + [
+            f"objective.ema_weights={weights}", f"checkpoint.dir={root}/{weights}/ckpt",
+            f"logging.run_dir={root}/{weights}/run"])
+        trainer = Trainer(cfg)
+        dp = trainer.ctx.dims.dp
+        local = samples[rank % dp::dp]
+        metrics = [trainer.train_step(local) for _ in range(2)]
+        trainer.save({})
+        trainer.checkpointer.finalize(blocking=True)
+        again = Trainer(cfg)
+        again.resume()
+        out[weights] = dict(metrics=metrics, ema=trainer.ema.full_state(),
+                            resumed=again.ema.full_state(), after=again.train_step(local),
+                            expert_numel=sum(p.numel() for p in trainer.expert_model.parameters()))
+    return out
+
+
+def test_trainer_with_the_gathered_ema_expert_equals_the_replicated_and_resumes(checkpoint,  # noqa: F811
+                                                                               tmp_path):
+    """Two trainer steps at DP 2 (CPU recipe, EMA expert, several micro-batches) with
+    ema_weights=gathered: the step metrics and the fp32 average equal the replicated expert's
+    bit for bit; its checkpoint (the same entries: the fp32 average in model space) resumes
+    exactly, and the step after the resume matches too."""
+    d, tok, cfg, state = checkpoint
+    samples = make_samples(tok, cfg, state)
+    over = [f"model.hf_config={d}", f"model.hf_checkpoint={d}", "model.seq_length=1024",
+            "rollout.max_context_tokens=1024", "optimizer.lr=1e-3",
+            "optimizer.micro_batch_tokens=1024", "objective.expert=ema", "objective.ema_decay=0.5",
+            "objective.kl_direction=forward", "objective.kl_coef=0.5"]
+    out = run_distributed(_trainer_fn, 2, over, str(tmp_path), samples, timeout=1200)
+    for rank, r in enumerate(out):
+        rep, gat = r["replicated"], r["gathered"]
+        assert gat["expert_numel"] == 0 and rep["expert_numel"] > 0
+        assert rep["metrics"][0]["train/micro_batches"] > 1
+        for a, b in zip(rep["metrics"] + [rep["after"]], gat["metrics"] + [gat["after"]]):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]), (rank, k, a[k], b[k])
+        assert rep["metrics"][1]["kl/frac_gated"] > 0
+        for n, t in rep["ema"].items():
+            assert torch.equal(t, gat["ema"][n]), n
+            assert torch.equal(gat["resumed"][n], gat["ema"][n]), n
+        print(f"rank {rank}: 3 steps' metrics and {len(rep['ema'])} EMA tensors bit-equal; "
+              f"loss {[m['loss'] for m in gat['metrics']]}, after resume {gat['after']['loss']}")
