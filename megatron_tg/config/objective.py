@@ -20,6 +20,9 @@ KL_DIRECTIONS = ("reverse", "forward", "jsd")  # = megatron_tg.ops.vocab_paralle
 KL_TOKEN_NORMALIZATIONS = ("rollout_gated", "rollout_assistant", "global")
 PG_TOKEN_NORMALIZATIONS = ("rollout", "global")
 EXPERTS = ("shared", "frozen", "ema")
+EMA_WEIGHTS = ("replicated", "gathered")
+EMA_PLACEMENTS = ("device", "host")
+EMA_GATHER_SCOPES = ("layer", "step")  # = megatron_tg.train.ema_gather.SCOPES
 EXPERT_SEQUENCES = ("shared", "exact")
 EXPERT_FEEDBACK = ("failing", "covered")
 STYLE_REWARDS = ("sum", "primary_gated")
@@ -167,6 +170,28 @@ class ObjectiveConfig:
     ema_decay: float = 0.99
     """Per-step decay of the EMA expert's weights (expert == "ema" only)."""
 
+    ema_weights: str = "replicated"
+    """How the EMA expert's forward gets its weights (expert == "ema" only): "replicated" =
+    a persistent copy of the rank's parameter shard in the model dtype, refreshed from the
+    fp32 average after every update (+2 B / param per GPU for the whole run: 8.2 GiB at
+    tg_30b); "gathered" = no copy: each layer's weights are all-gathered from the
+    DP-sharded fp32 average just before the expert pass runs it and freed after
+    (:mod:`megatron_tg.train.ema_gather`; the same values, bit for bit). The GPU recipes
+    set "gathered": their EMA expert fits 80 GB only so (``megatron-tg memory``)."""
+
+    ema_placement: str = "device"
+    """Where the EMA's fp32 shard lives: "device" (GPU memory, 4 B / param / DP) or "host"
+    (pinned host memory; the update and each layer's gather copy it up first, at the host
+    link's rate: ``megatron-tg memory`` prints that time). tg_235b needs "host"."""
+
+    ema_gather_scope: str = "layer"
+    """With ema_weights = "gathered": "layer" = gather each layer at each micro-batch's
+    expert pass (the device holds one layer's weights + its gather buffer + the output
+    weight); "step" = gather the whole model once when the step's expert pass starts and free
+    it when the pass ends (a full copy for the length of the pass; one model's traffic per
+    step instead of one per micro-batch). ``megatron-tg memory`` counts the recipe's choice
+    and prints the other's total, so the recipe picks "step" where it fits."""
+
     expert_sequence: str = "shared"
     """How feedback enters the expert context: "shared" = one expert sequence per rollout with
     every failing turn's feedback inserted right before that turn (one extra forward pass, as
@@ -225,6 +250,8 @@ class ObjectiveConfig:
                               ("kl_token_normalization", KL_TOKEN_NORMALIZATIONS),
                               ("pg_token_normalization", PG_TOKEN_NORMALIZATIONS),
                               ("expert", EXPERTS), ("expert_sequence", EXPERT_SEQUENCES),
+                              ("ema_weights", EMA_WEIGHTS), ("ema_placement", EMA_PLACEMENTS),
+                              ("ema_gather_scope", EMA_GATHER_SCOPES),
                               ("expert_feedback", EXPERT_FEEDBACK), ("style_reward", STYLE_REWARDS),
                               ("old_logprobs", OLD_LOGPROBS), ("tis_mode", TIS_MODES)):
             value = getattr(self, name)

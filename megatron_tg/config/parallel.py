@@ -53,6 +53,17 @@ class ParallelConfig:
     gpus_per_node: int = 8
     """Accelerators per training node (one rank each)."""
 
+    interconnect_gbps_per_gpu: float = 50.0
+    """GB/s one GPU's data-parallel collectives move, for the time plan only (``megatron-tg
+    memory`` / ``plan``: the gathered EMA expert's all-gathers). 50 = one 400 Gb/s
+    InfiniBand NIC per H100, the usual DP group spanning nodes; NVLink inside a node is
+    faster. An assumption until the first GPU run measures it."""
+
+    host_link_gbps_per_gpu: float = 25.0
+    """GB/s of one GPU's host-to-device copies (PCIe Gen5 x16 is ~64 GB/s per direction,
+    shared by two GPUs per switch on common H100 nodes, hence ~25 effective), for the time
+    plan of the EMA's host placement (objective.ema_placement = "host"). An assumption."""
+
     @property
     def expert_tp(self) -> int:
         """``etp`` with its default applied (:class:`ParallelDims` owns the rule)."""
@@ -64,6 +75,9 @@ class ParallelConfig:
         if self.etp is not None:
             check_range("parallel.etp", self.etp, ge=1)
         check_choice("parallel.backend", self.backend, BACKENDS)
+        for name in ("interconnect_gbps_per_gpu", "host_link_gbps_per_gpu"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"parallel.{name} must be > 0, got {getattr(self, name)}")
         if self.nodes is None:
             # The smallest world the sizes fit in exists by construction, so this checks only
             # the rules that hold for every world size (e.g. ep = 1 needs etp = tp).

@@ -25,8 +25,10 @@ Trainer GPU (the most loaded pipeline stage; bytes per GPU):
 * ``prefix_kv``    prefix reuse (shared expert, PP 1): the student's keys and values of every
   layer of one micro-batch, kept by ``record_kv`` until the expert pass; under full recompute
   they are extra (otherwise autograd keeps the same tensors for the backward: in activations);
-* ``expert_copy``  objective.expert: "frozen" = bf16 weights; "ema" = bf16 weights plus an fp32
-  copy sharded over data-parallel ranks like the optimizer's master weights; "shared" = 0;
+* ``expert_copy``  objective.expert=frozen: its bf16 weights (0 otherwise);
+* ``ema_*``        objective.expert=ema, term by term (:mod:`megatron_tg.launch.ema_plan`): the
+  fp32 shard (or its host placement), the replicated copy or the gathered unit, its gather
+  buffer and the held output weight;
 * ``weight_sync``  one TP-merged, EP-gathered parameter (the largest) plus one bucket
   (rollout.sync_bucket_mb), when SGLang engines receive weights;
 * ``runtime``      CUDA context, NCCL communicators and allocator slack: an assumption
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_tg.config import ConfigError, TGConfig, load_config
+from megatron_tg.launch import ema_plan
 from megatron_tg.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:  # the model module imports torch: only where a plan is computed
@@ -80,6 +83,13 @@ class Shard:
     expert_params: int
     largest_merged_param: int
     """Elements of the largest parameter after TP merge (what weight sync materialises at once)."""
+    unit_dense: int = 0
+    """Dense parameters of the stage's largest gathered unit (a decoder layer or the
+    embedding): what the gathered EMA expert materialises at once (:mod:`ema_plan`)."""
+    unit_expert: int = 0
+    """Expert parameters of that unit."""
+    head_params: int = 0
+    """The output weight's parameters on this rank (last stage; the embedding's when tied)."""
 
     @property
     def params(self) -> int:
@@ -103,18 +113,28 @@ def rank_shards(arch: Qwen3Arch, dims: ParallelDims) -> list[Shard]:
     shards = []
     for stage in range(dims.pp):
         dense = expert = 0
+        units = []  # (dense, expert) per gathered unit
         for i in range(stage * per_stage, (stage + 1) * per_stage):
-            dense += attn
+            ld, le = attn, 0
             if arch.is_moe_layer(i):
-                dense += arch.num_experts * h  # the router is replicated over TP
-                expert += (arch.num_experts // dims.ep) * 3 * h * arch.moe_intermediate_size // dims.etp
+                ld += arch.num_experts * h  # the router is replicated over TP
+                le = (arch.num_experts // dims.ep) * 3 * h * arch.moe_intermediate_size // dims.etp
             else:
-                dense += 3 * h * arch.intermediate_size // tp
+                ld += 3 * h * arch.intermediate_size // tp
+            dense, expert = dense + ld, expert + le
+            units.append((ld, le))
+        tied = arch.tie_word_embeddings and dims.pp == 1
+        head = 0
         if stage == 0:
             dense += vpad // tp * h
+            if not tied:  # tied: the embedding is the head, held, not a gathered unit
+                units.append((vpad // tp * h, 0))
         if stage == dims.pp - 1:
-            dense += h + (0 if arch.tie_word_embeddings and dims.pp == 1 else vpad // tp * h)
-        shards.append(Shard(stage, dense, expert, vpad * h))
+            head = vpad // tp * h
+            dense += h + (0 if tied else head)
+        unit = max(units, key=sum)
+        shards.append(Shard(stage, dense, expert, vpad * h, unit_dense=unit[0],
+                            unit_expert=unit[1], head_params=head))
     return shards
 
 
@@ -250,8 +270,8 @@ def train_plan(cfg: TGConfig, arch: Qwen3Arch, dims: ParallelDims) -> RolePlan:
     kv_local = max(arch.num_key_value_heads // dims.tp, 1)
     prefix_kv = (2 * (arch.num_layers // dims.pp) * mbt * kv_local * arch.head_dim * BF16
                  if prefix_reuse and cfg.model.recompute == "full" else 0.0)
-    expert = {"shared": 0.0, "frozen": wb * s.params,
-              "ema": wb * s.params + FP32 * sharded}[cfg.objective.expert]
+    expert = wb * s.params if cfg.objective.expert == "frozen" else 0.0
+    ema, ema_host = ema_plan.ema_terms(cfg, dims, _stage_sizes(s), wb)
     syncs = cfg.rollout.engine == "sglang"
     sync = (BF16 * s.largest_merged_param + cfg.rollout.sync_bucket_mb * 2 ** 20) if syncs else 0.0
     terms = {"weights": wb * s.params, "gradients": FP32 * s.params,
@@ -259,18 +279,32 @@ def train_plan(cfg: TGConfig, arch: Qwen3Arch, dims: ParallelDims) -> RolePlan:
              "recompute_working_set": act["recompute_working_set"],
              "output_layer_input": act["output_input"], "kl_chunks": kl,
              "expert_states": expert_states, "prefix_kv": prefix_kv, "expert_copy": expert,
-             "weight_sync": sync, "runtime": RUNTIME_RESERVE_GIB * GIB}
+             **ema, "weight_sync": sync, "runtime": RUNTIME_RESERVE_GIB * GIB}
     notes = [f"stage {s.pp_stage} of {dims.pp}: {s.dense_params:,} dense + {s.expert_params:,} "
              f"expert params per GPU; recompute={cfg.model.recompute}, micro-batch {mbt:,} tokens"]
     if host_states:
         notes.append(f"host memory: the step's expert states, parked in pinned memory between the "
                      f"expert and student passes: {host_states / GIB:.1f} GiB per GPU (upper bound: "
                      f"{step_tokens:,.0f} tokens per DP rank, every one gated)")
+    if ema_host:
+        notes.append(f"host memory: the EMA's fp32 shard in pinned memory "
+                     f"(objective.ema_placement=host): {ema_host['ema_shard'] / GIB:.2f} GiB per GPU")
     fixes = {}
     if cfg.parallel.use_distributed_optimizer:
         fixes["optimizer"] = (f"more trainer nodes (parallel.nodes={cfg.parallel.nodes}: the optimizer "
                               f"already shards over dp={dims.dp * dims.cp}, edp={dims.edp})")
-    return RolePlan("train", terms, notes, fixes=fixes, host={"expert_states": host_states})
+    return RolePlan("train", terms, notes, fixes=fixes,
+                    host={"expert_states": host_states, **ema_host})
+
+
+def _stage_sizes(s: Shard) -> ema_plan.StageSizes:
+    return ema_plan.StageSizes(s.dense_params, s.expert_params, s.unit_dense, s.unit_expert,
+                               s.head_params)
+
+
+def planned_stage(cfg: TGConfig, arch: Qwen3Arch, dims: ParallelDims) -> ema_plan.StageSizes:
+    """The most loaded stage's sizes, as :func:`train_plan` counts them (for the time plan)."""
+    return _stage_sizes(max(rank_shards(arch, dims), key=lambda x: x.params))
 
 
 def sglang_default_mem_fraction(gpu_mib: float, tp: int) -> float:
@@ -345,7 +379,14 @@ FIXES = {
     "kl_chunks": "a smaller objective.logits_chunk_size",
     "expert_states": "a smaller optimizer.micro_batch_tokens",
     "prefix_kv": "a smaller optimizer.micro_batch_tokens, or objective.expert_prefix_reuse=false",
-    "expert_copy": "objective.expert=shared, or more trainer nodes (EMA's fp32 copy shards over DP)",
+    "expert_copy": "objective.expert=shared (the frozen expert's copy), or objective.expert=ema "
+                   "with objective.ema_weights=gathered",
+    "ema_shard": "objective.ema_placement=host, or more trainer nodes (the fp32 EMA shards over DP)",
+    "ema_shard_staging": "parallel.ep / parallel.tp (smaller layers)",
+    "ema_copy": "objective.ema_weights=gathered (no persistent bf16 copy)",
+    "ema_gathered": "objective.ema_gather_scope=layer (one layer at a time)",
+    "ema_gather_buffer": "parallel.ep / parallel.tp (smaller layers)",
+    "ema_head": "parallel.tp (a smaller vocabulary shard)",
     "weight_sync": "a smaller rollout.sync_bucket_mb",
     "runtime": "nothing in the recipe (CUDA/NCCL reserve)",
     "kv_cache": "rollout.engine_tp (more GPUs per engine)",
@@ -360,6 +401,8 @@ class MemoryPlan:
     total_params: int
     active_params: int
     roles: dict[str, RolePlan]
+    ema_time: dict[str, Any] | None = None
+    """The gathered EMA expert's transfer time per step (:func:`ema_plan.ema_time`)."""
 
     def refusal(self) -> str | None:
         """None when every role fits; else a sentence naming the largest term and its fix."""
@@ -390,7 +433,9 @@ def memory_plan(cfg: TGConfig, recipe: str = "", world_size: int | None = None,
     roles = {"train": train_plan(cfg, arch, dims)}
     if cfg.rollout.engine == "sglang":
         roles["engine"] = engine_plan(cfg, arch, counts["total_params"], mem_fraction)
-    return MemoryPlan(recipe, dims.describe(), counts["total_params"], counts["active_params"], roles)
+    wb = BF16 if cfg.model.params_dtype == "bfloat16" else FP32
+    return MemoryPlan(recipe, dims.describe(), counts["total_params"], counts["active_params"], roles,
+                      ema_time=ema_plan.ema_time(cfg, dims, planned_stage(cfg, arch, dims), wb))
 
 
 class DoesNotFit(ConfigError):
@@ -425,7 +470,7 @@ def launch_check(cfg: TGConfig, world_size: int, accel: str,
     if checkpoint is not None:
         checkpoint.update(timeplan.checkpoint_plan(cfg, world_size, plan.total_params,
                                                    max(times["train_s"], times["generate_s"])))
-    return notes + [line.strip() for line in timeplan.render(times)]
+    return notes + [line.strip() for line in timeplan.render(times) + ema_plan.render(plan.ema_time)]
 
 
 # --------------------------------------------------------------------------- command line
@@ -462,7 +507,7 @@ def run(args: argparse.Namespace) -> int:
         for note in role.notes:
             print(f"  - {note}")
     print()
-    for line in timeplan.render(times):
+    for line in timeplan.render(times) + ema_plan.render(plan.ema_time):
         print(line)
     ckpt = timeplan.checkpoint_plan(cfg, lay["world_size"], plan.total_params,
                                     max(times["train_s"], times["generate_s"]))
@@ -471,7 +516,8 @@ def run(args: argparse.Namespace) -> int:
     if refusal:
         print(refusal)
     out = {"recipe": args.recipe, "layout": lay, "total_params": plan.total_params,
-           **{name: role.as_json() for name, role in plan.roles.items()}, "time": times,
+           **{name: role.as_json() for name, role in plan.roles.items()},
+           "time": {**times, "ema": plan.ema_time},
            "checkpoint": ckpt}
     if "engine" in plan.roles:
         out["engine"]["kv"] = plan.roles["engine"].kv

@@ -161,9 +161,12 @@ class Checkpointer:
         out = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))}
         if expert is not None:  # frozen/EMA expert weights, sharded like the policy's
-            out["expert"] = expert.sharded_state_dict(prefix="expert.")
-            if ema is not None:  # the fp32 average, not its bf16 cast
+            if ema is not None:  # the fp32 average, not its bf16 cast (of any ema_weights)
+                with ema.shaped_targets():
+                    out["expert"] = expert.sharded_state_dict(prefix="expert.")
                 out["expert"] = _with_data(out["expert"], ema.full_state(), "expert.")
+            else:
+                out["expert"] = expert.sharded_state_dict(prefix="expert.")
         return out
 
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any],

@@ -20,10 +20,18 @@ contiguous ranges of them, so the EMA is sharded the same way on both devices.
 Gathering: every rank writes its range into a zeroed buffer of the expert's dtype and the
 buffers are summed over ``group``: exact (x + 0 = x), and it allows the optimizer's unequal
 ranges. Memory: the shard (4 B / param / DP) plus one parameter-sized buffer at a time.
+
+Two ways to hold the expert's weights (``objective.ema_weights``): "replicated" (this
+module alone) copies the whole gathered average into a persistent expert model after every
+update, a full copy of the rank's shard in the model dtype; "gathered"
+(:mod:`megatron_tg.train.ema_gather`) keeps no copy and gathers each layer from these shards
+just before the expert pass runs it. ``placement="host"`` (``objective.ema_placement``) keeps
+the fp32 shards in pinned host memory: the update and each gather copy them up first.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
@@ -60,8 +68,15 @@ class ShardedEMA:
     """θ_ema ← d·θ_ema + (1 − d)·θ_main on this rank's shards, in fp32."""
 
     def __init__(self, optimizer: HasMainShards, expert: torch.nn.Module,
-                 policy: torch.nn.Module, decay: float) -> None:
+                 policy: torch.nn.Module, decay: float, placement: str = "device",
+                 replicated: bool = True) -> None:
+        if placement not in ("device", "host"):
+            raise ValueError(f"EMA placement must be 'device' or 'host', got {placement!r}")
         self.decay = decay
+        self.placement = placement
+        self.replicated = replicated
+        """Whether ``update`` refreshes a persistent expert copy (False: the expert's weights
+        are gathered per pass by :class:`~megatron_tg.train.ema_gather.GatheredEMA`)."""
         self.shards = optimizer.main_shards()
         by_param = {id(p): name for name, p in policy.named_parameters()}
         targets = dict(expert.named_parameters())
@@ -73,7 +88,27 @@ class ShardedEMA:
                                  f"in the expert model")
             self.names.append(name)
         self.targets = [targets[n] for n in self.names]
-        self.ema = [s.main.detach().to(torch.float32).clone() for s in self.shards]
+        # Recorded now: a gathered expert frees its parameters' storage after this.
+        self.shapes = [t.shape for t in self.targets]
+        self.dtypes = [t.dtype for t in self.targets]
+        self.devices = [t.device for t in self.targets]
+        self.ema = [self._place(s.main.detach().to(torch.float32).clone()) for s in self.shards]
+
+    def _place(self, t: torch.Tensor) -> torch.Tensor:
+        if self.placement == "device":
+            return t
+        # Pinned so that the copies up (update, gathers) can be asynchronous; no pinning
+        # without an accelerator (plain host memory is what "host" means there).
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                           pin_memory=torch.cuda.is_available())
+        host.copy_(t)
+        return host
+
+    def device_shard(self, i: int) -> torch.Tensor:
+        """Shard ``i`` of the fp32 average on its parameter's device (a copy up under host
+        placement, else the shard itself)."""
+        e = self.ema[i]
+        return e if e.device == self.devices[i] else e.to(self.devices[i], non_blocking=True)
 
     @property
     def shard_bytes(self) -> int:
@@ -82,9 +117,13 @@ class ShardedEMA:
     @torch.no_grad()
     def update(self) -> None:
         """After each optimizer step: average this rank's shards, then refresh the expert."""
-        for e, s in zip(self.ema, self.shards):
-            e.lerp_(s.main.to(torch.float32), 1.0 - self.decay)
-        self.copy_to_expert()
+        for i, (e, s) in enumerate(zip(self.ema, self.shards)):
+            d = self.device_shard(i)  # the same fp32 lerp on the device under either placement
+            d.lerp_(s.main.to(torch.float32), 1.0 - self.decay)
+            if d is not e:
+                e.copy_(d)
+        if self.replicated:
+            self.copy_to_expert()
 
     @torch.no_grad()
     def copy_to_expert(self) -> None:
@@ -93,20 +132,39 @@ class ShardedEMA:
 
     def _gathered(self, dtype: torch.dtype | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(expert parameter, the whole EMA of it as one flat tensor) per parameter."""
-        for e, s, target in zip(self.ema, self.shards, self.targets):
-            buf = torch.zeros(target.numel(), dtype=dtype or target.dtype, device=target.device)
-            buf[s.start:s.start + e.numel()] = e.to(buf.dtype)
+        for i, (e, s, target) in enumerate(zip(self.ema, self.shards, self.targets)):
+            buf = torch.zeros(self.shapes[i].numel(), dtype=dtype or self.dtypes[i],
+                              device=self.devices[i])
+            buf[s.start:s.start + e.numel()] = self.device_shard(i).to(buf.dtype)
             if s.group is not None and dist.get_world_size(s.group) > 1:
                 dist.all_reduce(buf, group=s.group)  # one owner per element: the sum is exact
             yield target, buf
 
     # ---- checkpoint: the EMA in model space (fp32), so it reshards like the model ---------
+    @contextlib.contextmanager
+    def shaped_targets(self) -> Iterator[None]:
+        """The expert's parameters shaped as in the model while the checkpoint's sharded
+        state is described (a gathered expert's hold no storage): one element expanded to
+        each shape (a parameter's data must stay on its device, so not a meta tensor), whose
+        data the checkpoint replaces with :meth:`full_state`'s, so a save or load needs no
+        copy of the weights and the format stays the replicated expert's."""
+        empty = [t.data for t in self.targets]
+        try:
+            for t, shape, dtype, device in zip(self.targets, self.shapes, self.dtypes,
+                                               self.devices):
+                if t.numel() != shape.numel():
+                    t.data = torch.zeros(1, dtype=dtype, device=device).expand(shape)
+            yield
+        finally:
+            for t, e in zip(self.targets, empty):
+                t.data = e
+
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor]:
         """name -> this rank's model-shaped fp32 EMA of each parameter, on the CPU (a save
         holds one fp32 copy of the rank's model shard in host memory, never on the device)."""
-        return {name: full.view(target.shape).cpu()
-                for name, (target, full) in zip(self.names, self._gathered(torch.float32))}
+        return {name: full.view(shape).cpu() for name, shape, (_, full)
+                in zip(self.names, self.shapes, self._gathered(torch.float32))}
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -116,5 +174,6 @@ class ShardedEMA:
         for name, e, s in zip(self.names, self.ema, self.shards):
             flat = state[name].reshape(-1)
             e.copy_(flat[s.start:s.start + e.numel()].to(e.device, torch.float32))
-        self.copy_to_expert()
+        if self.replicated:
+            self.copy_to_expert()
 

@@ -34,9 +34,10 @@ the step (:func:`~megatron_tg.train.routing.clear_replay`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Sequence
+from typing import ContextManager, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,12 @@ from megatron_tg.train.pass_plan import ExpertPass, PassPlan, build_pass_plan, h
 from megatron_tg.train.policy import HiddenOutput, forward_hidden, unwrap
 from megatron_tg.train.prefix_kv import record_kv, reuse_kv
 from megatron_tg.train.routing import replay_backward, replay_routing
+
+
+class ExpertWeights(Protocol):
+    """Weights of an expert model that exist only around its pass (the gathered EMA)."""
+
+    def expert_pass(self, passes: int) -> ContextManager[None]: ...
 
 
 def ops_reduce_hidden_grad(model: torch.nn.Module) -> bool:
@@ -162,6 +169,7 @@ def run_forward(model: torch.nn.Module, rows: PackedRows, fn):
 def run_step(model: torch.nn.Module, objective: TGObjective, batches: Sequence[MicroBatch],
              plan: PassPlan | None = None, *, vocab_size: int,
              expert_model: torch.nn.Module | None = None, prefix_reuse: bool = False,
+             expert_weights: ExpertWeights | None = None,
              num_rollouts: float | None = None, num_assistant_tokens: float | None = None,
              num_gated_tokens: float | None = None) -> list[MicroBatchResult | None]:
     """Forward and backward of one step's micro-batches (gradients accumulate in ``model``);
@@ -171,7 +179,9 @@ def run_step(model: torch.nn.Module, objective: TGObjective, batches: Sequence[M
     frozen/EMA copy. ``plan`` defaults to :func:`build_pass_plan` without expert
     parallelism. The ``num_*`` totals are the step's denominators (default: per micro-batch).
     ``prefix_reuse`` (shared expert, PP = 1; the micro-batches built with it): the expert
-    pass runs inside the student's forward step on the suffixes only."""
+    pass runs inside the student's forward step on the suffixes only. ``expert_weights``
+    (the gathered EMA expert, :mod:`megatron_tg.train.ema_gather`): the expert model's
+    weights exist only inside its ``expert_pass``, which every rank enters once per step."""
     from megatron.core import parallel_state as mps
 
     plan = plan or build_pass_plan(batches, ep=1)
@@ -188,12 +198,17 @@ def run_step(model: torch.nn.Module, objective: TGObjective, batches: Sequence[M
                   num_gated_tokens=num_gated_tokens, vocab_size=vocab_size)
 
     kept: dict[int, tuple] = {}
-    if not reuse and plan.expert_passes:
-        items = [(i, mbs[i], plan.passes[i].expert) for i in plan.expert_passes]
-        with torch.no_grad():
-            store = _schedule(expert_model or model, _expert_step, items, forward_only=True)
-        if last:
-            kept = {i: s for i, s in zip(plan.expert_passes, store) if s is not None}
+    passes = plan.expert_passes if not reuse else []
+    # A collective on every rank (gathered EMA), with or without passes of its own.
+    weights = (expert_weights.expert_pass(len(passes)) if expert_weights is not None
+               else contextlib.nullcontext())
+    with weights:
+        if passes:
+            items = [(i, mbs[i], plan.passes[i].expert) for i in passes]
+            with torch.no_grad():
+                store = _schedule(expert_model or model, _expert_step, items, forward_only=True)
+            if last:
+                kept = {i: s for i, s in zip(passes, store) if s is not None}
 
     def loss_fn(i, mb, student, expert, output_tensor):
         eh, ew = expert if expert is not None else (None, None)

@@ -31,6 +31,7 @@ from megatron_tg.parallel.state import LaunchEnv, init_parallel
 from megatron_tg.train.batching import TrainSample, build_micro_batch
 from megatron_tg.train.checkpoint import Checkpointer
 from megatron_tg.train.ema import ShardedEMA
+from megatron_tg.train.ema_gather import GatheredEMA
 from megatron_tg.train.optim import build_optimizer
 from megatron_tg.train.policy import unwrap
 from megatron_tg.train.pass_plan import build_pass_plan
@@ -101,8 +102,14 @@ class Trainer:
                                          bf16=dtype == torch.bfloat16)
         self.expert_model = self._build_expert(model, dtype)
         # The EMA expert's fp32 average, sharded like the optimizer's fp32 main parameters.
-        self.ema = (ShardedEMA(self.optimizer, self.expert_model, model, cfg.objective.ema_decay)
-                    if cfg.objective.expert == "ema" else None)
+        o = cfg.objective
+        gathered = o.expert == "ema" and o.ema_weights == "gathered"
+        self.ema = (ShardedEMA(self.optimizer, self.expert_model, model, o.ema_decay,
+                               placement=o.ema_placement, replicated=not gathered)
+                    if o.expert == "ema" else None)
+        # "gathered": the expert model keeps no weights; each pass gathers them from the EMA.
+        self.expert_weights = (GatheredEMA(self.ema, self.expert_model, o.ema_gather_scope)
+                               if gathered else None)
         # Only the live-weight expert shares the student's keys/values, and only at PP = 1:
         # under PP the expert pass must reach the last stage before the student's loss there,
         # so it runs as its own schedule over whole expert sequences (docs/micro-batch.md §6).
@@ -222,7 +229,8 @@ class Trainer:
         plan = build_pass_plan(batches, ep=self.ctx.dims.ep)
         results = run_step(self.model, self.objective, batches, plan,
                            vocab_size=self.arch.vocab_size, expert_model=self.expert_model,
-                           prefix_reuse=self.prefix_reuse, **totals)
+                           prefix_reuse=self.prefix_reuse, expert_weights=self.expert_weights,
+                           **totals)
         clear_replay(self.model)  # the replayed ids accumulate over the step otherwise
         for passes, out in zip(plan, results):
             if passes.padding:

@@ -186,7 +186,8 @@ def test_a_plan_that_does_not_fit_exits_1_naming_the_term(capsys):
     from megatron_tg.cli import main
 
     rc = main(["memory", "--recipe", str(ROOT / "recipes" / "tg_30b.yaml"),
-               f"model.hf_config={HF / RECIPES['tg_30b']}", "objective.expert=ema"])
+               f"model.hf_config={HF / RECIPES['tg_30b']}", "objective.expert=ema",
+               "objective.ema_weights=replicated"])  # the gathered EMA expert fits
     out = capsys.readouterr().out
     refusal = out.strip().splitlines()[-2]
     assert rc == 1 and "DOES NOT FIT" in out
@@ -251,3 +252,31 @@ def test_expert_states_and_prefix_kv_are_counted():
     assert sel.terms["prefix_kv"] == 0
     assert all(p.fits() for p in plans["tg_30b"].roles.values())
     assert t235.fits() and t480.fits()
+
+
+@pytest.mark.parametrize("recipe", ["tg_30b", "tg_235b", "tg_480b"])
+def test_the_ema_expert_fits_every_recipe_term_by_term(recipe):
+    """objective.expert=ema with the recipe's EMA settings fits 90 % of an H100; the terms
+    are the fp32 shard (device or host), the gathered unit, its buffer and the held output
+    weight, and the replicated copy would not fit the 30B and 235B layouts."""
+    path = str(ROOT / "recipes" / f"{recipe}.yaml")
+    over = [f"model.hf_config={HF / RECIPES[recipe]}", "objective.expert=ema"]
+    plan = memory_plan(load_config(path, over)).roles["train"]
+    base = memory_plan(load_config(path, over[:1])).roles["train"]
+    ema = {k: v for k, v in plan.terms.items() if k.startswith("ema_")}
+    assert plan.fits(), (recipe, plan.total / GIB)
+    assert set(ema) >= {"ema_shard", "ema_gathered", "ema_gather_buffer", "ema_head"}
+    # The shared expert's plan plus the EMA terms, less the prefix-reuse store (shared only).
+    assert plan.total == pytest.approx(base.total - base.terms["prefix_kv"] + sum(ema.values()))
+    cfg = load_config(path, over)
+    if cfg.objective.ema_placement == "host":
+        assert ema["ema_shard"] == 0 and plan.host["ema_shard"] > 5 * GIB
+    replicated = memory_plan(load_config(path, over + ["objective.ema_weights=replicated"]))
+    if recipe != "tg_480b":
+        assert not replicated.roles["train"].fits()
+    t = memory_plan(cfg).ema_time
+    assert t is not None and t["gather_s"] > 0
+    print(f"{recipe}: {plan.total / GIB:.2f} GiB with the EMA expert ("
+          + ", ".join(f"{k} {v / GIB:.2f}" for k, v in ema.items())
+          + f"; host {plan.host.get('ema_shard', 0) / GIB:.2f}); replicated "
+          f"{replicated.roles['train'].total / GIB:.2f}; gathers {t['gather_s']} s/step")
