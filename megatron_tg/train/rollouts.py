@@ -3,7 +3,7 @@
 Generation never waits for training (PipelineRL-style): the manager keeps producing groups
 on the background loop while the trainer's main thread trains; the main thread only blocks
 in :meth:`RolloutSide.next_batch` (for judged groups) and in :meth:`RolloutSide.run_sync`
-(the weight push, :func:`megatron_tg.train.weight_sync.sync_to_engines`). The loop sees only
+(the weight push, :func:`megatron_tg.weight_sync.sync.sync_to_engines`). The loop sees only
 the :class:`~megatron_tg.train.protocols.RolloutSource` interface.
 
 Rewards and feedback (what the objective receives):
@@ -45,9 +45,9 @@ from megatron_tg.rollout.client import SGLangClient
 from megatron_tg.rollout.manager import RolloutGroup, RolloutManager
 from megatron_tg.rollout.types import Rollout
 from megatron_tg.train.batching import TrainSample
-from megatron_tg.train.engine_loss import form_target
 from megatron_tg.train.protocols import WeightTarget
-from megatron_tg.train.weight_sync import SyncStats
+from megatron_tg.weight_sync.engine_loss import form_target
+from megatron_tg.weight_sync.sync import SyncStats
 
 log = logging.getLogger(__name__)
 

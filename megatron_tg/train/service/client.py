@@ -35,10 +35,10 @@ import torch
 
 from megatron_tg.auth import KEY_FILE_ENV, bearer, resolve_key, write_key_dir
 from megatron_tg.rollout.client import SGLangClient
-from megatron_tg.train.engine_loss import form_target
 from megatron_tg.train.protocols import MakeRolloutSource, RolloutSource, SyncResult, WeightTarget
 from megatron_tg.train.service.server import FactorySpec
 from megatron_tg.train.service.wire import PROTOCOL, config_fingerprint, decode_batch, dumps, loads
+from megatron_tg.weight_sync.engine_loss import form_target
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -174,7 +174,7 @@ class RolloutServiceClient:
             backend = r.sync_backend if r.sync_backend != "auto" else (
                 "nccl" if r.engine == "sglang" and torch.cuda.is_available() else "gloo")
             # One target for the run, as in process: engine loss and return replace its
-            # group and count its group names in place (engine_loss.py).
+            # group and count its group names in place (weight_sync/engine_loss.py).
             self.weight_target_ = form_target(self.call, self.client, host, backend,
                                               self.cfg.timeouts.weight_sync_s, r.router_url)
         return self.weight_target_

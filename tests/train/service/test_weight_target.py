@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from megatron_tg.config import load_config
 from megatron_tg.rollout.engine.launch import start_engines
-from megatron_tg.train.engine_loss import drop_engines
+from megatron_tg.weight_sync.engine_loss import drop_engines
 from megatron_tg.train.service.client import start_local_service
 from megatron_tg.train.service.server import FactorySpec
 from tests.rollout.conftest import build_tiny_model

@@ -37,7 +37,7 @@ from megatron_tg.parallel.ports import free_port
 
 if TYPE_CHECKING:
     from megatron_tg.train.protocols import WeightTarget
-    from megatron_tg.train.sync_checks import SyncStats
+    from megatron_tg.weight_sync.checks import SyncStats
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ async def admit_returned(trainer, target: "WeightTarget | None", checks, push_in
     is collective), then gets the version, joins the group and goes back into the router.
     ``push_into(group, admitting=True)`` pushes the trainer's weights into a group. Returns
     the number admitted; one that fails stays out of the group and the router (logged)."""
-    from megatron_tg.train.sync_checks import SyncCheckError, compare_logprobs, engine_logprobs, \
+    from megatron_tg.weight_sync.checks import SyncCheckError, compare_logprobs, engine_logprobs, \
         probe_tokens, trainer_logprobs
 
     client = target.client if target is not None else None
