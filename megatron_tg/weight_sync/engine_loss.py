@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron_tg.parallel.ports import free_port
 
 if TYPE_CHECKING:
-    from megatron_tg.train.protocols import WeightTarget
+    from megatron_tg.sampling.protocols import WeightTarget
     from megatron_tg.weight_sync.checks import SyncStats
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def form_target(call: Callable[[Awaitable[Any]], Any], client, master_address: s
     ``timeout_s`` (``timeouts.weight_sync_s``). The caller keeps it for the whole run, since
     engine loss and return replace its group and count its names in place. ``router``: the
     sglang-router in front of the engines (``rollout.router_url``), or None."""
-    from megatron_tg.train.protocols import WeightTarget
+    from megatron_tg.sampling.protocols import WeightTarget
 
     target = WeightTarget(client, None, router=router or None)  # type: ignore[arg-type]
     target.group = call(client.init_weights_update_group(

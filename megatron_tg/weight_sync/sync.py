@@ -51,7 +51,7 @@ from megatron_tg.weight_sync.checks import (SyncCheckError, SyncChecks, SyncStat
 from megatron_tg.weight_sync.engine_loss import admit_returned, push_to_live_engines
 
 if TYPE_CHECKING:
-    from megatron_tg.train.protocols import RolloutSource
+    from megatron_tg.sampling.protocols import RolloutSource
 
 log = logging.getLogger(__name__)
 

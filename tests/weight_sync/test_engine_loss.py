@@ -41,7 +41,7 @@ class _Side:
         return self.loop.run_until_complete(coro)
 
     def weight_target(self):
-        from megatron_tg.train.protocols import WeightTarget
+        from megatron_tg.sampling.protocols import WeightTarget
 
         if self.target is None:
             group = self.call(self.client.init_weights_update_group("127.0.0.1", _port(), "tg-weights"))

@@ -25,8 +25,8 @@ import pytest
 
 from megatron_tg.rollout.engine.launch import restart_engine, start_engines
 from tests.rollout.test_router import Proc
-from tests.weight_sync.test_engine_loss_loop import N, _wait_row
 from tests.train.test_kill_resume import RUBRIC, _rows, _tail, policy_dir  # noqa: F401
+from tests.weight_sync.test_engine_loss_loop import N, _wait_row
 
 pytest.importorskip("sglang_router", reason="the test extra installs sglang-router==0.3.2")
 REPO = Path(__file__).resolve().parents[2]

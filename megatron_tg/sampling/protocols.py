@@ -2,8 +2,8 @@
 
 The loop (:mod:`megatron_tg.train.loop`) holds a :class:`RolloutSource` on global rank 0 and
 nothing else of the rollout machinery: engines, client, manager, judge and their event loop
-stay behind it. :class:`megatron_tg.train.rollouts.RolloutSide` is the in-process
-implementation; :class:`megatron_tg.train.service.client.RolloutServiceClient` implements the
+stay behind it. :class:`megatron_tg.sampling.rollouts.RolloutSide` is the in-process
+implementation; :class:`megatron_tg.sampling.service.client.RolloutServiceClient` implements the
 same methods over HTTP for a side running as its own process (``rollout.service``,
 docs/rollout-service.md).
 
