@@ -42,7 +42,7 @@ from megatron_tg.sampling.service.wire import (PROTOCOL, WireError, config_finge
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FACTORY = "megatron_tg.train.cli:default_rollout_side"
+DEFAULT_FACTORY = "megatron_tg.train.command:default_rollout_side"
 MAX_WAIT_S = 60.0
 
 

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     # rollout.service: in rank 0's process, or a service process (docs/rollout-service.md)
     return run_loop(cfg, make_rollout_side=rollout_source(FactorySpec(
-        "megatron_tg.train.cli:default_rollout_side")))
+        "megatron_tg.train.command:default_rollout_side")))
 
 
 def main(argv=None) -> int:

@@ -63,7 +63,7 @@ def evaluate(cfg, make_rollout_side) -> dict | None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_tg.config import load_config
-    from megatron_tg.train.cli import default_rollout_side
+    from megatron_tg.train.command import default_rollout_side
 
     overrides = list(args.overrides)
     if args.checkpoint:
