@@ -209,8 +209,8 @@ def test_the_entry_point_scan_reads_shell_commands_and_argv_lists():
 
 def test_every_named_python_m_entry_point_runs_its_help():
     """Each module of the package that the README, docs, scripts, slurm/, recipes, .ci, tools,
-    benchmarks, tests or the package's own code run with ``-m`` exits 0 on ``--help`` with a usage line:
-    a module moved without its callers fails here. Measured on a 2-core machine: 19 modules,
+    benchmarks, tests or the package's own code run with ``-m`` exits 0 on ``--help`` with a
+    usage line: a module moved without its callers fails here. Measured on a 2-core machine: 19 modules,
     about 30 s whether one or four run at a time (each is a process start plus its imports);
     four at a time is for machines with more cores."""
     from concurrent.futures import ThreadPoolExecutor
