@@ -204,15 +204,16 @@ def test_the_entry_point_scan_reads_shell_commands_and_argv_lists():
             'cmd = [sys.executable, "-m", "megatron_tg.sampling.service", "--recipe", str(recipe)]\n'
             'pytest -m gpu tests/models; git commit -m megatron_tgx; see python -m megatron_tg.train.\n')
     found = {m for pattern in cr.ENTRY_POINT_RES for m in pattern.findall(text)}
-    assert found == {"megatron_tg.demo", "megatron_tg.cli", "megatron_tg.sampling.service", "megatron_tg.train"}
+    assert found == {"megatron_tg.demo", "megatron_tg.cli", "megatron_tg.sampling.service",
+                     "megatron_tg.train"}
 
 
 def test_every_named_python_m_entry_point_runs_its_help():
     """Each module of the package that the README, docs, scripts, slurm/, recipes, .ci, tools,
     benchmarks, tests or the package's own code run with ``-m`` exits 0 on ``--help`` with a
-    usage line: a module moved without its callers fails here. Measured on a 2-core machine: 19 modules,
-    about 30 s whether one or four run at a time (each is a process start plus its imports);
-    four at a time is for machines with more cores."""
+    usage line: a module moved without its callers fails here. Measured on a 2-core machine:
+    19 modules, about 30 s whether one or four run at a time (each is a process start plus
+    its imports); four at a time is for machines with more cores."""
     from concurrent.futures import ThreadPoolExecutor
 
     cr = _check_runtime()
