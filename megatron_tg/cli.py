@@ -31,12 +31,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "config": Subcommand("megatron_tg.config.command",
                          "resolve a recipe plus overrides and print the config "
                          "(--dry-run: also the parallel layout)"),
-    "train": Subcommand("megatron_tg.train.cli",
+    "train": Subcommand("megatron_tg.train.command",
                         "run the TG loop from a recipe (one process per GPU via torchrun/srun)"),
     "sft": Subcommand("megatron_tg.sft.command",
                       "supervised warm start on agent transcripts (JSONL; thinking and tool "
                       "calls) through the trainer's model and checkpoints"),
-    "eval": Subcommand("megatron_tg.train.evaluate",
+    "eval": Subcommand("megatron_tg.eval.command",
                        "held-out evaluation of a checkpoint: pass@1 and every criterion's rate "
                        "with confidence intervals (evaluation.*)"),
     "describe": Subcommand("megatron_tg.models.describe",
@@ -55,7 +55,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                       "beat the model without it?"),
     "demo": Subcommand("megatron_tg.demo.__main__",
                        "the didactic main job on CPU: base model, GRPO / OPSD / TG, report"),
-    "plot": Subcommand("megatron_tg.train.plot",
+    "plot": Subcommand("megatron_tg.plot.command",
                        "draw runs' curves side by side (criterion rates, pass rate, entropy, KL)"),
 }
 

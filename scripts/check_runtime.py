@@ -9,8 +9,9 @@ the venv that ``bash scripts/demo.sh`` built, before and after the quick demo).
    package; a module that needs one at import time is a failure); ``__main__`` modules are
    entry points, run by check 3 instead.
 3. ``megatron-tg --help`` and every subcommand's ``--help`` (and ``convert``'s two verbs)
-   exit 0 and print a usage line; so does every documented ``python -m`` entry point of the package that
-   the README, docs, scripts, Slurm files, recipes or docstrings name.
+   exit 0 and print a usage line; so does every ``python -m`` entry point of the package that
+   the README, docs, scripts, Slurm files, recipes, CI, tools, benchmarks, tests or the
+   package's own code name (``tests/test_cli.py`` runs the same check).
 4. Grading works: a built-in task graded with its reference solution passes, and the
    untouched starting files fail (needs bubblewrap: ``bash scripts/system_deps.sh --runtime``).
 """
@@ -81,16 +82,27 @@ ENTRY_POINT_VERBS = {"megatron_tg.agent.remote": ["serve"]}
 """Modules whose documented invocation puts a verb before the options."""
 
 
+ENTRY_POINT_RES = (
+    # a shell or documented command: python -m X, "$PYTHON" -m X, torchrun ... -m X
+    re.compile(r"(?<![\w-])-m\s+(megatron_tg(?:\.[a-z_][a-z0-9_]*)*)\b"),
+    # an argv list in Python: [sys.executable, "-m", "X", ...]
+    re.compile(r"[\"']-m[\"'],\s*[\"'](megatron_tg(?:\.[a-z_][a-z0-9_]*)*)[\"']"),
+)
+
+
 def documented_entry_points(root: Path) -> list[str]:
-    """Every ``python -m`` module of the package that the README, docs, scripts, Slurm files, recipes,
-    tools or docstrings name: each must still run (a move of a module takes its callers)."""
+    """Every ``-m`` module of the package that the README, docs, scripts, Slurm files, recipes,
+    CI, tools, benchmarks, tests or the package's own code name: each must still run (a move
+    of a module takes its callers)."""
     found: set[str] = set()
     files = [root / "README.md", *root.glob("docs/*.md")]
     for sub, pattern in (("scripts", "*"), ("slurm", "*"), ("recipes", "**/*.yaml"), ("tools", "*.py"),
-                         ("megatron_tg", "**/*.py")):
+                         (".ci", "*"), ("benchmarks", "*"), ("tests", "**/*.py"), ("megatron_tg", "**/*.py")):
         files += [f for f in (root / sub).glob(pattern) if f.is_file()]
     for f in files:
-        found.update(re.findall(r"python3? -m (megatron_tg(?:\.[a-z_][a-z0-9_]*)*)", f.read_text(errors="replace")))
+        text = f.read_text(errors="replace")
+        for pattern in ENTRY_POINT_RES:
+            found.update(pattern.findall(text))
     return sorted(found)
 
 

@@ -14,7 +14,7 @@
 #           plus the plan's TG_ROUTER_ARGS (health-check flags that outlast a weight-sync
 #           pause: megatron_tg/launch/router_health.py)
 #   judge   ${JUDGE_CMD:-$PYTHON -m sglang.launch_server} --model-path M --served-model-name N ...
-#   rollout_service  ${SERVICE_CMD:-$PYTHON -m megatron_tg.train.service} --recipe R [k=v ...]
+#   rollout_service  ${SERVICE_CMD:-$PYTHON -m megatron_tg.sampling.service} --recipe R [k=v ...]
 #           (the trainer's arguments, TG_SERVICE_ARGS: docs/rollout-service.md)
 # followed by ENGINE_ARGS / ROUTER_ARGS / JUDGE_ARGS / SERVICE_ARGS (word-split).
 set -euo pipefail
@@ -66,7 +66,7 @@ case "${TG_SERVER_ROLE[i]}" in
     read -r -a extra <<<"${JUDGE_ARGS:-}"
     ;;
   rollout_service)
-    read -r -a cmd <<<"${SERVICE_CMD:-$py -m megatron_tg.train.service}"
+    read -r -a cmd <<<"${SERVICE_CMD:-$py -m megatron_tg.sampling.service}"
     args=("${TG_SERVICE_ARGS[@]}")
     read -r -a extra <<<"${SERVICE_ARGS:-}"
     ;;

@@ -218,7 +218,7 @@ class ObjectiveConfig:
 
     hinted_samples: int = 0
     """Per failing turn, this many samples of that turn drawn by the engines with its feedback
-    in context (after judging; :mod:`megatron_tg.train.hinted`), trained with the KL term only,
+    in context (after judging; :mod:`megatron_tg.sampling.hinted`), trained with the KL term only,
     student on its own context and expert on the feedback context. It teaches the expert's
     whole changed span, not only its first token (the branch the student's own turn reaches).
     Costs one generation request per sample and its tokens in both passes. 0: the paper's

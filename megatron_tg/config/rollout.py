@@ -13,7 +13,7 @@ TOOL_CALL_READINGS = ("strict", "sglang")  # megatron_tg.chat.tool_reading.READI
 STALE_POLICIES = ("drop", "regenerate")
 PAUSE_MODES = ("in_place", "retract", "abort")
 SYNC_BACKENDS = ("auto", "nccl", "gloo")
-SERVICE_MODES = ("in_process", "local", "remote")  # megatron_tg/train/service (docs/rollout-service.md)
+SERVICE_MODES = ("in_process", "local", "remote")  # megatron_tg/sampling/service (docs/rollout-service.md)
 
 
 @dataclass
@@ -80,7 +80,7 @@ class RolloutConfig:
     service: str = "in_process"
     """Where the rollout side (manager, environment workers and sandboxes, judge client)
     runs: "in_process" = in trainer rank 0's process; "local" = rank 0 starts it as its own
-    process beside the trainer (python -m megatron_tg.train.service) and pulls judged
+    process beside the trainer (python -m megatron_tg.sampling.service) and pulls judged
     batches from it over HTTP; "remote" = a service already started at ``service_url`` (the
     Slurm scripts start one per job on the first rollout node). docs/rollout-service.md."""
 

@@ -119,7 +119,7 @@ def make_rollout_side(probe_every: int = 0, probe_n: int = 32, env: str = "main"
     def factory(trainer):
         from megatron_tg.demo import paper_env as P
         from megatron_tg.demo.agent import DemoAgent
-        from megatron_tg.train.rollouts import RolloutSide
+        from megatron_tg.sampling.rollouts import RolloutSide
 
         cfg = trainer.cfg
         agent = DemoAgent(trainer.tokenizer, max_turns=cfg.rollout.max_turns,
@@ -169,8 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if LaunchEnv.from_env().rank == 0:  # the one reading of torchrun / srun ranks
         save_resolved(cfg)
-    from megatron_tg.train.service.client import rollout_source
-    from megatron_tg.train.service.server import FactorySpec
+    from megatron_tg.sampling.service.client import rollout_source
+    from megatron_tg.sampling.service.server import FactorySpec
 
     # recipes/demo_cpu.yaml: rollout.service=local, the side in its own process beside the
     # trainer; the factory is named so that process can build the same side.

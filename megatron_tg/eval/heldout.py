@@ -1,6 +1,6 @@
 """Held-out evaluation on the engines' current weights.
 
-:class:`HeldOutEvaluation` is a probe of the rollout side (:class:`~megatron_tg.train.rollouts.
+:class:`HeldOutEvaluation` is a probe of the rollout side (:class:`~megatron_tg.sampling.rollouts.
 RolloutSide`): the loop runs the side's probes after each weight sync and once before the
 first step, so the evaluation sees step 0 (the base policy), every ``evaluation.every``-th
 step and the last step. It rolls out ``evaluation.samples`` rollouts per held-out task with

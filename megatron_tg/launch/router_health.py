@@ -16,7 +16,7 @@ plan allows: every push of a sync given ``timeouts.weight_sync_s`` (the weight-u
 limit), two pushes at the first sync when ``rollout.sync_verify_coverage`` is on. A worker
 that really died is still dropped, after that pause plus a few intervals; the router's retries
 and the trainer's client cover the requests in between, and the trainer removes an engine it
-found lost from the router at once (:mod:`megatron_tg.train.engine_loss`).
+found lost from the router at once (:mod:`megatron_tg.weight_sync.engine_loss`).
 """
 
 from __future__ import annotations

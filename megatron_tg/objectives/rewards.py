@@ -6,7 +6,7 @@ Math contract:
   ``criterion_weights`` (missing names weigh 1). In mode "opsd" every criterion not in
   ``primary_criteria`` gets w_i = 0 (the style criteria then act only through the KL). The
   config's empty default means "the rubric's primary flags": the trainer resolves it
-  (``train.rollouts.primary_criteria``) before rewards are combined, and an empty list in
+  (``sampling.rollouts.primary_criteria``) before rewards are combined, and an empty list in
   mode "opsd" is refused here (it would make every reward 0).
 * With ``style_reward="primary_gated"`` the non-primary terms count only when every primary
   criterion passes: R(τ) = Σ_{i ∈ P} w_i R_i + (Π_{i ∈ P} R_i) · Σ_{i ∉ P} w_i R_i. A policy

@@ -29,7 +29,7 @@ Model::
 * **Weight updates**: :meth:`update_weights` closes the version gate (no new turn starts),
   pauses the engines (``pause_mode``: ``retract``, the default, and ``in_place`` keep
   in-flight requests, ``abort`` cuts them and the context resubmits the rest), runs the
-  update (the protocol is :mod:`megatron_tg.train.weight_sync`'s), bumps the version
+  update (the protocol is :mod:`megatron_tg.weight_sync.sync`'s), bumps the version
   and resumes. Multi-turn rollouts simply carry on; each turn keeps its own version.
 * **Accounting**: every prompt taken from the dataset is exactly one of trained (returned in
   a batch), dropped (with a reason) or in flight (queued again, generating, or buffered):

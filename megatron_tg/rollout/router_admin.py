@@ -7,7 +7,7 @@ background, so both calls here wait until the listing shows it. Why: the router 
 restarted worker as soon as its ``/health`` passes, on whatever weights it holds, while the
 trainer still has to push the current ones into it; an engine the trainer found lost is taken
 out at once and put back only once it serves the current version
-(:mod:`megatron_tg.train.engine_loss`).
+(:mod:`megatron_tg.weight_sync.engine_loss`).
 
 Calls go through the client's ``_call`` (its timeouts, and any credentials it sends).
 """

@@ -1,5 +1,5 @@
 """The weight-transport pieces both ends of a weight update share, whichever engine serves:
-the trainer side (:mod:`megatron_tg.rollout.weight_client`, :mod:`megatron_tg.train.weight_sync`)
+the trainer side (:mod:`megatron_tg.rollout.weight_client`, :mod:`megatron_tg.weight_sync.sync`)
 and the embedded CPU engine (:mod:`megatron_tg.rollout.engine.weights`) import them from
 here, so the production path does not depend on the engine that stands in for SGLang.
 

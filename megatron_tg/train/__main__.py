@@ -1,5 +1,5 @@
 import sys
 
-from megatron_tg.train.cli import main
+from megatron_tg.train.command import main
 
 sys.exit(main())

@@ -38,7 +38,7 @@ from megatron_tg.chat.framing import build_expert_sequences
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.objectives.guidance import build_gate
 from megatron_tg.rollout.types import Rollout
-from megatron_tg.train.hinted import HintedTurn, hinted_rollout
+from megatron_tg.sampling.hinted import HintedTurn, hinted_rollout
 from megatron_tg.train.prefix_kv import PrefixPlan, build_prefix_plan
 
 
@@ -54,7 +54,7 @@ class TrainSample:
     """The scalar reward the advantage was computed from (for the per-sample records)."""
     hinted: list[HintedTurn] = field(default_factory=list)
     """Samples of failing turns drawn with their feedback in context (``objective.hinted_samples``,
-    :mod:`megatron_tg.train.hinted`): KL-only sequences of this rollout."""
+    :mod:`megatron_tg.sampling.hinted`): KL-only sequences of this rollout."""
 
     @property
     def num_tokens(self) -> int:
@@ -214,7 +214,7 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
     the student pass (:mod:`megatron_tg.train.prefix_kv`). ``routing_replay``: lay out the
     engine's routed experts for the student pass (every sample must carry them).
 
-    A sample's hinted turns (:mod:`megatron_tg.train.hinted`) are packed after the samples as
+    A sample's hinted turns (:mod:`megatron_tg.sampling.hinted`) are packed after the samples as
     sequences of their own, with the sample's rollout index: their rows carry the KL gate of
     the failing turn they replace and are left out of ``pg_mask``."""
     # Packed sequence k: sample k's rollout for k < len(samples), then the hinted sequences.

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_tg.config.schema import TGConfig
+from megatron_tg.sampling.protocols import MakeRolloutSource
 from megatron_tg.train.manifest import write_manifest
 from megatron_tg.train.metrics import MetricsLogger
-from megatron_tg.train.protocols import MakeRolloutSource
 from megatron_tg.train.samples import SampleRecorder
 from megatron_tg.train.scatter import scatter_by_tokens, wait_for_batch
 from megatron_tg.train.trainer import Trainer
-from megatron_tg.train.weight_sync import SyncChecks, sync_to_engines
+from megatron_tg.weight_sync.sync import SyncChecks, sync_to_engines
 
 EXIT_DONE, EXIT_REQUEUE = 0, 75  # 75 = EX_TEMPFAIL: "try again", the Slurm scripts' contract
 

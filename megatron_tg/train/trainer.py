@@ -1,7 +1,7 @@
 """The trainer's state and its verbs: ``train_step``, ``save`` and ``resume``.
 
 Weight sync to the engines is not a trainer verb: the loop calls
-:func:`megatron_tg.train.weight_sync.sync_to_engines` with the trainer's model after each step.
+:func:`megatron_tg.weight_sync.sync.sync_to_engines` with the trainer's model after each step.
 
 Everything here is collective over the trainer's ranks; the rollout side (engines, manager,
 judge) lives on global rank 0 and hands each DP rank its share of judged samples.

@@ -191,7 +191,7 @@ def test_published_variants_and_their_errors(built, tmp_path):
 
 
 def test_the_trainer_refuses_a_missing_task_file_up_front(tmp_path):
-    from megatron_tg.train.cli import main
+    from megatron_tg.train.command import main
 
     missing = tmp_path / "nope" / "swe_tasks.jsonl"
     with pytest.raises(SystemExit, match=re.escape(f"rollout.tasks: task file {missing} does not exist")):

@@ -151,7 +151,7 @@ def test_the_numbers_of_docs_claims_md_are_the_code_s():
 
 def test_every_arm_of_the_suite_gets_the_same_reward():
     """The reward weights and the combined reward of every arm's config, resolved as the
-    trainer resolves them (``train.rollouts.judged_samples``), are the same; the main demo's
+    trainer resolves them (``sampling.rollouts.judged_samples``), are the same; the main demo's
     opsd keeps the paper's task-only reward."""
     from dataclasses import replace
 

@@ -18,7 +18,7 @@ from megatron_tg.demo import paper_env as P
 from megatron_tg.demo import paper_suite as S
 from megatron_tg.demo import task as T
 from megatron_tg.judge import Judge
-from megatron_tg.train.rollouts import feedback_for
+from megatron_tg.sampling.rollouts import feedback_for
 
 ALL_NEW = {(k, c): True for k, cs in enumerate(P.TURN_CRITERIA) for c in cs}
 

@@ -77,7 +77,7 @@ def test_eval_command_refuses_an_overlapping_task_before_building_a_model(tmp_pa
     """The built-in training tasks (rollout.tasks unset) hold fizzbuzz; a held-out file with
     the same problem under another id is refused by ``megatron-tg eval`` with exit 2."""
     from megatron_tg.agent.tasks import builtin_tasks
-    from megatron_tg.train.evaluate import main
+    from megatron_tg.eval.command import main
 
     fizz = next(t for t in builtin_tasks() if t.id == "fizzbuzz")
     row = fizz.to_dict()

@@ -77,7 +77,7 @@ def test_bad_evaluation_config_names_the_field(override, msg):
 def test_held_out_rates_are_plotted_with_their_intervals(tmp_path):
     import json
 
-    from megatron_tg.train.plot import bands, curves, plot_runs
+    from megatron_tg.plot.command import bands, curves, plot_runs
 
     run = tmp_path / "run"
     run.mkdir()

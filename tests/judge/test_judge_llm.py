@@ -346,7 +346,7 @@ def test_judge_drop_metrics_by_length():
     from types import SimpleNamespace
 
     from megatron_tg.judge import JudgeResult
-    from megatron_tg.train.rollouts import judge_drop_metrics
+    from megatron_tg.sampling.rollouts import judge_drop_metrics
 
     ros = [SimpleNamespace(token_ids=[0] * n) for n in (10, 20, 30, 40, 50, 60)]
     res = [JudgeResult(str(i), "t", "g") for i in range(6)]

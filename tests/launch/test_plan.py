@@ -180,7 +180,7 @@ def test_tiny_cpu_path_has_no_gpu_requests():
 
 def test_rollout_service_step_on_the_rollout_node_with_the_trainers_config():
     from megatron_tg.config import load_config
-    from megatron_tg.train.service.wire import config_fingerprint
+    from megatron_tg.sampling.service.wire import config_fingerprint
 
     knobs = Knobs(engine="embedded", gpus_per_node=1, train_nodes=1, rollout_nodes=1, service=True)
     plan = make_plan(TINY, ["rollout.engine=sglang", "rollout.group_size=4"], knobs)

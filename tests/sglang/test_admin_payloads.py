@@ -93,7 +93,7 @@ def test_every_sync_request_is_one_sglang_accepts(engine):
             group = await client.init_weights_update_group("127.0.0.1", free_port(), group_name="tg-weights")
             try:
                 await client.pause_generation(mode="retract")
-                # the coverage check's sequence (weight_sync.verify_coverage): checksum ->
+                # the coverage check's sequence (weight_sync.sync.verify_coverage): checksum ->
                 # reset_tensors -> push -> checksum; an admitted engine is paused with abort
                 before = await client.weights_checker("checksum")
                 await client.weights_checker("reset_tensors")

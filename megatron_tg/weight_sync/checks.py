@@ -40,7 +40,7 @@ class SyncStats:
 @dataclass
 class SyncChecks:
     """When the checks of a sync run (config: rollout.sync_verify_coverage, sync_probe_*): the
-    coverage check (:func:`~megatron_tg.train.weight_sync.verify_coverage`) and the log-prob probe."""
+    coverage check (:func:`~megatron_tg.weight_sync.sync.verify_coverage`) and the log-prob probe."""
 
     verify_coverage: bool = True
     probe_interval: int = 1

@@ -45,13 +45,13 @@ from megatron_tg.models.qwen3_moe.config import Qwen3Arch
 from megatron_tg.models.qwen3_moe.mapping import current_layout, merge_tp_shards, param_info, to_hf
 from megatron_tg.parallel.dims import Axis
 from megatron_tg.rollout.transport import FlatBucket
-from megatron_tg.train.engine_loss import admit_returned, push_to_live_engines
 from megatron_tg.train.policy import unwrap
-from megatron_tg.train.sync_checks import (SyncCheckError, SyncChecks, SyncStats, compare_logprobs,
-                                          engine_logprobs, probe_tokens, trainer_logprobs)
+from megatron_tg.weight_sync.checks import (SyncCheckError, SyncChecks, SyncStats, compare_logprobs,
+                                           engine_logprobs, probe_tokens, trainer_logprobs)
+from megatron_tg.weight_sync.engine_loss import admit_returned, push_to_live_engines
 
 if TYPE_CHECKING:
-    from megatron_tg.train.protocols import RolloutSource
+    from megatron_tg.sampling.protocols import RolloutSource
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ def sync_to_engines(trainer, side: "RolloutSource | None", checks: SyncChecks, *
                     restart: bool = False) -> dict[str, float]:
     """Collective: the trainer's weights -> every live engine, as policy version
     ``trainer.step``, then the checks that prove the engines serve them, then the return of
-    engines that were lost and answer again (:mod:`megatron_tg.train.engine_loss`).
+    engines that were lost and answer again (:mod:`megatron_tg.weight_sync.engine_loss`).
 
     ``side`` is global rank 0's rollout side (None on the other ranks, which take part in the
     gathers only). ``restart``: the engines just started on the base weights while the

@@ -1,7 +1,7 @@
 """The rollout service: a rollout side (manager, environment workers, judge client) in its
 own process, serving judged batches over HTTP (docs/rollout-service.md).
 
-    python -m megatron_tg.train.service --recipe R [--factory MOD:ATTR] [--port P] [k=v ...]
+    python -m megatron_tg.sampling.service --recipe R [--factory MOD:ATTR] [--port P] [k=v ...]
 
 It builds the same side the trainer would build in-process (the factory of ``--factory``,
 given a :class:`ServiceHost` in place of the trainer) and answers ``POST /v1/<method>``
@@ -37,12 +37,12 @@ from typing import Any, Callable
 from aiohttp import web
 
 from megatron_tg.auth import aiohttp_middleware, redact_logs, resolve_key
-from megatron_tg.train.service.wire import (PROTOCOL, WireError, config_fingerprint, config_mismatch,
-                                            dumps, encode_batch, loads)
+from megatron_tg.sampling.service.wire import (PROTOCOL, WireError, config_fingerprint, config_mismatch,
+                                               dumps, encode_batch, loads)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FACTORY = "megatron_tg.train.cli:default_rollout_side"
+DEFAULT_FACTORY = "megatron_tg.train.command:default_rollout_side"
 MAX_WAIT_S = 60.0
 
 
@@ -302,7 +302,7 @@ async def serve(service: RolloutService, host: str, port: int, ready_file: str |
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_tg.train.service", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m megatron_tg.sampling.service", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", help="YAML recipe merged over the defaults (the trainer's)")
     ap.add_argument("--factory", default=DEFAULT_FACTORY, help="module:attr of the rollout-side factory")

@@ -3,8 +3,8 @@
 Generation never waits for training (PipelineRL-style): the manager keeps producing groups
 on the background loop while the trainer's main thread trains; the main thread only blocks
 in :meth:`RolloutSide.next_batch` (for judged groups) and in :meth:`RolloutSide.run_sync`
-(the weight push, :func:`megatron_tg.train.weight_sync.sync_to_engines`). The loop sees only
-the :class:`~megatron_tg.train.protocols.RolloutSource` interface.
+(the weight push, :func:`megatron_tg.weight_sync.sync.sync_to_engines`). The loop sees only
+the :class:`~megatron_tg.sampling.protocols.RolloutSource` interface.
 
 Rewards and feedback (what the objective receives):
 - each rubric criterion is a 0/1 score; the scalar reward is Σ_c w_c · score_c with the
@@ -44,10 +44,10 @@ from megatron_tg.objectives import combine_rewards, group_advantages, mode_switc
 from megatron_tg.rollout.client import SGLangClient
 from megatron_tg.rollout.manager import RolloutGroup, RolloutManager
 from megatron_tg.rollout.types import Rollout
+from megatron_tg.sampling.protocols import WeightTarget
 from megatron_tg.train.batching import TrainSample
-from megatron_tg.train.engine_loss import form_target
-from megatron_tg.train.protocols import WeightTarget
-from megatron_tg.train.weight_sync import SyncStats
+from megatron_tg.weight_sync.engine_loss import form_target
+from megatron_tg.weight_sync.sync import SyncStats
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ class RolloutSide:
         samples, lost, metrics = judged_samples(groups, per_group, self.rubric, self.cfg)
         obj = self.cfg.objective
         if obj.hinted_samples and mode_switches(obj).kl and samples:
-            from megatron_tg.train.hinted import add_hinted_turns
+            from megatron_tg.sampling.hinted import add_hinted_turns
 
             metrics.update(self.call(add_hinted_turns(
                 self.client, samples, self.tokenizer, n=obj.hinted_samples,

@@ -1,4 +1,4 @@
-"""The trainer's end of the rollout service: a :class:`~megatron_tg.train.protocols.
+"""The trainer's end of the rollout service: a :class:`~megatron_tg.sampling.protocols.
 RolloutSource` whose rollout side runs in another process (docs/rollout-service.md).
 
 :func:`rollout_source` picks the placement ``rollout.service`` names: the side in rank 0's
@@ -35,10 +35,10 @@ import torch
 
 from megatron_tg.auth import KEY_FILE_ENV, bearer, resolve_key, write_key_dir
 from megatron_tg.rollout.client import SGLangClient
-from megatron_tg.train.engine_loss import form_target
-from megatron_tg.train.protocols import MakeRolloutSource, RolloutSource, SyncResult, WeightTarget
-from megatron_tg.train.service.server import FactorySpec
-from megatron_tg.train.service.wire import PROTOCOL, config_fingerprint, decode_batch, dumps, loads
+from megatron_tg.sampling.protocols import MakeRolloutSource, RolloutSource, SyncResult, WeightTarget
+from megatron_tg.sampling.service.server import FactorySpec
+from megatron_tg.sampling.service.wire import PROTOCOL, config_fingerprint, decode_batch, dumps, loads
+from megatron_tg.weight_sync.engine_loss import form_target
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -174,7 +174,7 @@ class RolloutServiceClient:
             backend = r.sync_backend if r.sync_backend != "auto" else (
                 "nccl" if r.engine == "sglang" and torch.cuda.is_available() else "gloo")
             # One target for the run, as in process: engine loss and return replace its
-            # group and count its group names in place (engine_loss.py).
+            # group and count its group names in place (weight_sync/engine_loss.py).
             self.weight_target_ = form_target(self.call, self.client, host, backend,
                                               self.cfg.timeouts.weight_sync_s, r.router_url)
         return self.weight_target_
@@ -226,7 +226,7 @@ class RolloutServiceClient:
 
 def start_local_service(cfg, spec: FactorySpec, *, timeout_s: float | None = None
                         ) -> RolloutServiceClient:
-    """Start ``python -m megatron_tg.train.service`` beside this trainer (its config is this
+    """Start ``python -m megatron_tg.sampling.service`` beside this trainer (its config is this
     one's, resolved to ``RUN_DIR/rollout_service/config.yaml``) and connect to it. Its log is
     ``RUN_DIR/rollout_service/service.log``; it gets SIGTERM if this process dies."""
     from megatron_tg.config import save_resolved
@@ -241,7 +241,7 @@ def start_local_service(cfg, spec: FactorySpec, *, timeout_s: float | None = Non
     ready = d / "ready.json"
     ready.unlink(missing_ok=True)
     log_path = d / "service.log"
-    cmd = [sys.executable, "-m", "megatron_tg.train.service", "--recipe", str(recipe),
+    cmd = [sys.executable, "-m", "megatron_tg.sampling.service", "--recipe", str(recipe),
            "--factory", spec.target, "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready)]
     if spec.kwargs is not None:
         cmd += ["--factory-kwargs", json.dumps(spec.kwargs)]

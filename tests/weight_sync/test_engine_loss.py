@@ -41,7 +41,7 @@ class _Side:
         return self.loop.run_until_complete(coro)
 
     def weight_target(self):
-        from megatron_tg.train.protocols import WeightTarget
+        from megatron_tg.sampling.protocols import WeightTarget
 
         if self.target is None:
             group = self.call(self.client.init_weights_update_group("127.0.0.1", _port(), "tg-weights"))
@@ -85,9 +85,9 @@ def _loss_fn(rank, world, state, hf_cfg, engine_dir, log_dir, pp=1):
 
 
 def _scenario(rank, model, arch, ctx, engines, a, b):
-    from megatron_tg.train.sync_checks import (SyncChecks, compare_logprobs, engine_logprobs, probe_tokens,
-                                               trainer_logprobs)
-    from megatron_tg.train.weight_sync import sync_to_engines
+    from megatron_tg.weight_sync.checks import (SyncChecks, compare_logprobs, engine_logprobs, probe_tokens,
+                                                trainer_logprobs)
+    from megatron_tg.weight_sync.sync import sync_to_engines
 
     # bucket 0 MiB: every tensor is its own broadcast, so "between two buckets" is everywhere
     cfg = SimpleNamespace(rollout=SimpleNamespace(sync_bucket_mb=0, pause_mode="retract"))
@@ -166,7 +166,7 @@ def test_lost_engine_leaves_the_group_and_a_returned_one_rejoins_at_the_current_
 def _admitted_at_pp(rank, model, arch, ctx, engines, a, b):
     """B lost, restarted, admitted, with the trainer in pipeline stages: B must serve the
     admission's log-prob probe (a /generate to it) before it gets the version and joins."""
-    from megatron_tg.train.weight_sync import SyncChecks, sync_to_engines
+    from megatron_tg.weight_sync.sync import SyncChecks, sync_to_engines
 
     cfg = SimpleNamespace(rollout=SimpleNamespace(sync_bucket_mb=0, pause_mode="retract"))
     trainer = SimpleNamespace(model=model, arch=arch, ctx=ctx, cfg=cfg, step=0)

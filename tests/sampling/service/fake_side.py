@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from megatron_tg.chat import get_tiny_tokenizer
 from megatron_tg.chat.builder import simulate_rollout
 from megatron_tg.judge import load_rubric
-from megatron_tg.train.rollouts import RolloutSide
+from megatron_tg.sampling.rollouts import RolloutSide
 from tests.chat.convos import SEARCH_TOOL, call
 
 

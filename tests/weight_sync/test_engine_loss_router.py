@@ -6,7 +6,7 @@ One trainer rank with ``rollout.service=local`` (the rollout side in its own pro
 embedded engines started by the test, and sglang-router 0.3.2 (the test extra's binary) in
 front of them (``rollout.router_url``; admin calls go to the engines). Engine B is SIGKILLed
 once step 1 is logged and restarted on its base weights once step 2 is logged, as in
-tests/train/test_engine_loss_loop.py. The router would re-admit B as soon as its /health
+tests/weight_sync/test_engine_loss_loop.py. The router would re-admit B as soon as its /health
 passes, on its base weights; the trainer takes B out of the router when its sync finds it
 lost and puts it back only after B is admitted at the current version.
 """
@@ -25,8 +25,8 @@ import pytest
 
 from megatron_tg.rollout.engine.launch import restart_engine, start_engines
 from tests.rollout.test_router import Proc
-from tests.train.test_engine_loss_loop import N, _wait_row
 from tests.train.test_kill_resume import RUBRIC, _rows, _tail, policy_dir  # noqa: F401
+from tests.weight_sync.test_engine_loss_loop import N, _wait_row
 
 pytest.importorskip("sglang_router", reason="the test extra installs sglang-router==0.3.2")
 REPO = Path(__file__).resolve().parents[2]

@@ -21,10 +21,10 @@ import pytest
 
 from megatron_tg.auth import read_key
 from megatron_tg.config import load_config
-from megatron_tg.train.service.client import (RolloutServiceClient, RolloutServiceError,
-                                              start_local_service)
-from megatron_tg.train.service.server import FactorySpec, ServiceHost
-from tests.train.service.fake_side import FakeEngine
+from megatron_tg.sampling.service.client import (RolloutServiceClient, RolloutServiceError,
+                                                 start_local_service)
+from megatron_tg.sampling.service.server import FactorySpec, ServiceHost
+from tests.sampling.service.fake_side import FakeEngine
 
 TIMING = ("rollout/gen_seconds", "manager/update_seconds", "capacity/", "turn/", "service/")
 # How far the background producer got when the batch returned (it starts the next step's
@@ -49,7 +49,7 @@ def _cfg(engine, run_dir, *extra):
 
 
 def _spec(**kw):
-    return FactorySpec("tests.train.service.fake_side:make", kw)
+    return FactorySpec("tests.sampling.service.fake_side:make", kw)
 
 
 def _plain(samples, judged, metrics):
@@ -263,10 +263,10 @@ def test_back_pressure_bounds_in_flight_rollouts_buffer_and_tool_slots(engine, t
 
 def test_the_service_client_implements_the_loops_interface():
     """Same methods with the same parameters as the protocol (the in-process side's twin test
-    is in tests/train/test_rollouts.py)."""
+    is in tests/sampling/test_rollouts.py)."""
     import inspect
 
-    from megatron_tg.train.protocols import RolloutSource
+    from megatron_tg.sampling.protocols import RolloutSource
 
     wanted = {n: f for n, f in vars(RolloutSource).items() if callable(f) and not n.startswith("_")}
     for name, proto in wanted.items():

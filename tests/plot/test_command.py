@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tg.train.plot import curves
+from megatron_tg.plot.command import curves
 
 REPO = Path(__file__).resolve().parents[2]
 

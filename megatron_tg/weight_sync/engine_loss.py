@@ -36,8 +36,8 @@ import torch.distributed as dist
 from megatron_tg.parallel.ports import free_port
 
 if TYPE_CHECKING:
-    from megatron_tg.train.protocols import WeightTarget
-    from megatron_tg.train.sync_checks import SyncStats
+    from megatron_tg.sampling.protocols import WeightTarget
+    from megatron_tg.weight_sync.checks import SyncStats
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def form_target(call: Callable[[Awaitable[Any]], Any], client, master_address: s
     ``timeout_s`` (``timeouts.weight_sync_s``). The caller keeps it for the whole run, since
     engine loss and return replace its group and count its names in place. ``router``: the
     sglang-router in front of the engines (``rollout.router_url``), or None."""
-    from megatron_tg.train.protocols import WeightTarget
+    from megatron_tg.sampling.protocols import WeightTarget
 
     target = WeightTarget(client, None, router=router or None)  # type: ignore[arg-type]
     target.group = call(client.init_weights_update_group(
@@ -151,7 +151,7 @@ async def admit_returned(trainer, target: "WeightTarget | None", checks, push_in
     is collective), then gets the version, joins the group and goes back into the router.
     ``push_into(group, admitting=True)`` pushes the trainer's weights into a group. Returns
     the number admitted; one that fails stays out of the group and the router (logged)."""
-    from megatron_tg.train.sync_checks import SyncCheckError, compare_logprobs, engine_logprobs, \
+    from megatron_tg.weight_sync.checks import SyncCheckError, compare_logprobs, engine_logprobs, \
         probe_tokens, trainer_logprobs
 
     client = target.client if target is not None else None

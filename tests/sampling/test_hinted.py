@@ -1,4 +1,4 @@
-"""Hinted turns (``objective.hinted_samples``, :mod:`megatron_tg.train.hinted`).
+"""Hinted turns (``objective.hinted_samples``, :mod:`megatron_tg.sampling.hinted`).
 
 1. A hinted sequence is the student's context up to the failing turn, then the hinted turn.
 2. Packed with its rollout: its rows are gated, carry the rollout's index, are out of
@@ -27,8 +27,8 @@ from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.objectives.batch import PolicyBatch
 from megatron_tg.objectives.grpo import policy_gradient_term
 from megatron_tg.objectives.guidance import gated_kl_term
+from megatron_tg.sampling.hinted import HintedTurn, hinted_rollout
 from megatron_tg.train.batching import TrainSample, build_micro_batch
-from megatron_tg.train.hinted import HintedTurn, hinted_rollout
 from tests.chat.convos import SEARCH_TOOL, call, conversation
 
 FB = "Use the lines= argument of the search tool."
@@ -145,7 +145,7 @@ def test_grpo_term_ignores_hinted_rows(setup):
 
 def test_wire_keeps_hinted_turns(setup):
     from megatron_tg.rollout.routed_experts import RoutedExperts
-    from megatron_tg.train.service.wire import decode_batch, encode_batch
+    from megatron_tg.sampling.service.wire import decode_batch, encode_batch
 
     tok, _, hinted, ids = setup
     routed = RoutedExperts(np.arange(24, dtype=np.uint8).reshape(4, 3, 2) % 5, (0, 1, 2), 5)
@@ -184,7 +184,7 @@ def test_hinted_samples_from_the_engine(engine):
     from megatron_tg.rollout.client import SGLangClient
     from megatron_tg.rollout.context import request_seed
     from megatron_tg.rollout.engine.routing import decode_routed_experts
-    from megatron_tg.train.hinted import _stable_int, add_hinted_turns
+    from megatron_tg.sampling.hinted import _stable_int, add_hinted_turns
 
     policy, e = engine
     tok = get_tiny_tokenizer()
@@ -272,7 +272,7 @@ class _Answers:
 
 def test_an_engine_failure_costs_one_hinted_sample_and_other_errors_raise(setup):
     from megatron_tg.rollout.client import SGLangClientError
-    from megatron_tg.train.hinted import add_hinted_turns
+    from megatron_tg.sampling.hinted import add_hinted_turns
 
     tok, plain, _, ids = setup
     sample = TrainSample(plain[0].rollout, 0.7, {0: FB, 2: "Say why."})
@@ -314,8 +314,8 @@ def test_prefix_reuse_rebuilds_the_hinted_expert_sequences(setup):
 
 
 def test_malformed_engine_replies_are_counted_and_bad_wire_data_is_refused(setup):
-    from megatron_tg.train.hinted import add_hinted_turns
-    from megatron_tg.train.service.wire import WireError, decode_batch, encode_batch
+    from megatron_tg.sampling.hinted import add_hinted_turns
+    from megatron_tg.sampling.service.wire import WireError, decode_batch, encode_batch
 
     tok, plain, hinted, ids = setup
     for client, vocab in ((_Answers([ids], logprobs=[-0.1]), None),  # 1 log-prob for many tokens

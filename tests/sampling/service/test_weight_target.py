@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from megatron_tg.config import load_config
 from megatron_tg.rollout.engine.launch import start_engines
-from megatron_tg.train.engine_loss import drop_engines
-from megatron_tg.train.service.client import start_local_service
-from megatron_tg.train.service.server import FactorySpec
+from megatron_tg.sampling.service.client import start_local_service
+from megatron_tg.sampling.service.server import FactorySpec
+from megatron_tg.weight_sync.engine_loss import drop_engines
 from tests.rollout.conftest import build_tiny_model
 
 
@@ -30,7 +30,7 @@ def test_the_regrouped_target_is_the_one_the_next_sync_uses(tmp_path):
     norm = [("model.norm.weight", load_file(str(model / "model.safetensors"))["model.norm.weight"] * 2)]
     engines = start_engines([model, model], tmp_path / "engines", timeout_s=300)
     a, b = (e.url for e in engines)
-    spec = FactorySpec("tests.train.service.fake_side:make", {})
+    spec = FactorySpec("tests.sampling.service.fake_side:make", {})
     clients = []
     try:
         first = start_local_service(_cfg([a, b], tmp_path / "run1"), spec)

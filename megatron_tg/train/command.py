@@ -22,7 +22,7 @@ def default_rollout_side(trainer):
     from megatron_tg.agent.harness import AgentHarness
     from megatron_tg.agent.tasks import builtin_tasks, load_tasks
     from megatron_tg.judge import LLMJudgeClient, LLMJudgeConfig, load_rubric
-    from megatron_tg.train.rollouts import RolloutSide
+    from megatron_tg.sampling.rollouts import RolloutSide
 
     cfg = trainer.cfg
     if not cfg.judge.rubric:
@@ -73,12 +73,12 @@ def run(args: argparse.Namespace) -> int:
 
     if LaunchEnv.from_env().rank == 0:  # the one reading of torchrun / srun ranks
         save_resolved(cfg)
-    from megatron_tg.train.service.client import rollout_source
-    from megatron_tg.train.service.server import FactorySpec
+    from megatron_tg.sampling.service.client import rollout_source
+    from megatron_tg.sampling.service.server import FactorySpec
 
     # rollout.service: in rank 0's process, or a service process (docs/rollout-service.md)
     return run_loop(cfg, make_rollout_side=rollout_source(FactorySpec(
-        "megatron_tg.train.cli:default_rollout_side")))
+        "megatron_tg.train.command:default_rollout_side")))
 
 
 def main(argv=None) -> int:

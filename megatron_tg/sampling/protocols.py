@@ -2,13 +2,13 @@
 
 The loop (:mod:`megatron_tg.train.loop`) holds a :class:`RolloutSource` on global rank 0 and
 nothing else of the rollout machinery: engines, client, manager, judge and their event loop
-stay behind it. :class:`megatron_tg.train.rollouts.RolloutSide` is the in-process
-implementation; :class:`megatron_tg.train.service.client.RolloutServiceClient` implements the
+stay behind it. :class:`megatron_tg.sampling.rollouts.RolloutSide` is the in-process
+implementation; :class:`megatron_tg.sampling.service.client.RolloutServiceClient` implements the
 same methods over HTTP for a side running as its own process (``rollout.service``,
 docs/rollout-service.md).
 
 Weight sync is split by who does what. The trainer's ranks stream the weights (collective,
-:mod:`megatron_tg.train.weight_sync`); the rollout side says where they go
+:mod:`megatron_tg.weight_sync.sync`); the rollout side says where they go
 (:meth:`RolloutSource.weight_target`: the engines' client and the weight-update group) and
 runs the push while its engines are paused and their version is bumped
 (:meth:`RolloutSource.run_sync`).
@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 
 class SyncResult(Protocol):
-    """What a weight push returns (``weight_sync.SyncStats``): metrics of the sync."""
+    """What a weight push returns (``weight_sync.checks.SyncStats``): metrics of the sync."""
 
     def as_metrics(self) -> dict[str, float]: ...
 
@@ -43,12 +43,12 @@ class WeightTarget:
 
     client: "SGLangClient"
     group: "TrainerWeightGroup"
-    """Replaced when an engine is lost or comes back (:mod:`megatron_tg.train.engine_loss`)."""
+    """Replaced when an engine is lost or comes back (:mod:`megatron_tg.weight_sync.engine_loss`)."""
     formations: int = 0
     """How many groups were formed for this run (each formation gets a fresh group name)."""
     router: str | None = None
     """The sglang-router in front of the engines, if any: an engine lost or being admitted
-    is taken out of it (:mod:`megatron_tg.train.engine_loss`)."""
+    is taken out of it (:mod:`megatron_tg.weight_sync.engine_loss`)."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     """Part of every group name of this trainer process: engines that outlive a trainer (a
     requeued job, a remote service) may still hold the names a previous one used, and torch

@@ -36,7 +36,7 @@ def evaluate(cfg, make_rollout_side) -> dict | None:
     from megatron_tg.config.base import ConfigError
     from megatron_tg.eval.heldout import HeldOutEvaluation
     from megatron_tg.train.trainer import Trainer
-    from megatron_tg.train.weight_sync import SyncChecks, sync_to_engines
+    from megatron_tg.weight_sync.sync import SyncChecks, sync_to_engines
 
     if not cfg.evaluation.enabled():
         raise ConfigError("evaluation.tasks: empty, so there is nothing held out to evaluate; "
@@ -63,7 +63,7 @@ def evaluate(cfg, make_rollout_side) -> dict | None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_tg.config import load_config
-    from megatron_tg.train.cli import default_rollout_side
+    from megatron_tg.train.command import default_rollout_side
 
     overrides = list(args.overrides)
     if args.checkpoint:

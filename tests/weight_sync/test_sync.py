@@ -32,7 +32,7 @@ def _sync_fn(rank, world, state, hf_cfg, url, port, prompt):
     from megatron_tg.rollout.client import SGLangClient
     from megatron_tg.train.policy import forward_hidden
     from megatron_tg.train.step import ops_reduce_hidden_grad
-    from megatron_tg.train.weight_sync import push_weights
+    from megatron_tg.weight_sync.sync import push_weights
 
     ctx = init_parallel(tp=2, ep=2, etp=1)
     arch = Qwen3Arch.from_hf(hf_cfg)
@@ -179,8 +179,8 @@ def test_probe_and_coverage_check_name_the_engine_and_the_weight(engine):
     from safetensors.torch import load_file
 
     from megatron_tg.rollout.client import SGLangClient
-    from megatron_tg.train.sync_checks import SyncCheckError, compare_logprobs, engine_logprobs, probe_tokens
-    from megatron_tg.train.weight_sync import verify_coverage
+    from megatron_tg.weight_sync.checks import SyncCheckError, compare_logprobs, engine_logprobs, probe_tokens
+    from megatron_tg.weight_sync.sync import verify_coverage
 
     _, hf, _ = tiny_hf_model(seed=1, num_hidden_layers=LAYERS)
     state = load_file(str(engine.model_dir / "model.safetensors"))
@@ -231,8 +231,8 @@ def _stages_fn(rank, world, layouts, state, hf_cfg, tokens):
     from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
     from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
     from megatron_tg.parallel.state import init_parallel
-    from megatron_tg.train.sync_checks import trainer_logprobs
-    from megatron_tg.train.weight_sync import iter_hf_weights
+    from megatron_tg.weight_sync.checks import trainer_logprobs
+    from megatron_tg.weight_sync.sync import iter_hf_weights
 
     out = []
     for tp, ep, etp, pp in layouts:
@@ -255,7 +255,7 @@ def test_every_stage_reaches_the_sender(world, layouts):
     """Under PP each stage's tensors reach global rank 0 (relayed over the PP group), merged
     over TP and EP: rank 0 streams every HF tensor exactly once, equal to the checkpoint's;
     the probe log-probs (a forward-only schedule, computed on the last stage) equal PP=1's."""
-    from megatron_tg.train.sync_checks import probe_tokens
+    from megatron_tg.weight_sync.checks import probe_tokens
 
     cfg, _, state = tiny_hf_model(seed=0, num_hidden_layers=4)
     tokens = probe_tokens(cfg.vocab_size, 21)  # odd length: padded for TP=2
@@ -281,7 +281,7 @@ def _push_fn(rank, world, layouts, state, hf_cfg, urls, ports):
     from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
     from megatron_tg.parallel.state import init_parallel
     from megatron_tg.rollout.client import SGLangClient
-    from megatron_tg.train.weight_sync import push_weights, verify_coverage
+    from megatron_tg.weight_sync.sync import push_weights, verify_coverage
 
     out = []
     for (tp, ep, etp, pp), port in zip(layouts, ports):

@@ -11,7 +11,7 @@ from megatron_tg.chat import get_tiny_tokenizer
 from megatron_tg.chat.builder import simulate_rollout
 from megatron_tg.config import load_config
 from megatron_tg.judge import Judge, load_rubric
-from megatron_tg.train.rollouts import judged_samples
+from megatron_tg.sampling.rollouts import judged_samples
 from tests.chat.convos import SEARCH_TOOL, call
 
 
@@ -75,7 +75,7 @@ def test_judge_errors_are_excluded_and_whole_lost_groups_reported(judged):
 
 
 def test_probes_run_when_due_and_a_failing_probe_does_not_stop_training():
-    from megatron_tg.train.rollouts import RolloutSide
+    from megatron_tg.sampling.rollouts import RolloutSide
 
     side = object.__new__(RolloutSide)  # probes need no engines
     calls = []
@@ -98,7 +98,7 @@ def test_probes_run_when_due_and_a_failing_probe_does_not_stop_training():
 def test_primary_criteria_come_from_the_rubric_unless_named(judged):
     from megatron_tg.config import ConfigError
     from megatron_tg.judge import parse_rubric
-    from megatron_tg.train.rollouts import primary_criteria
+    from megatron_tg.sampling.rollouts import primary_criteria
 
     rubric, groups, results = judged
     cfg = load_config("recipes/tiny_cpu.yaml", [])
@@ -152,7 +152,7 @@ def test_final_turn_feedback_only_when_the_agent_ended_the_rollout(finish):
         assert crit.failing_turns == [] and res.feedback_by_turn() == {}
         assert f"ended by {finish}" in crit.detail
     # always-on feedback (opsd) follows the same rule
-    from megatron_tg.train.rollouts import feedback_for
+    from megatron_tg.sampling.rollouts import feedback_for
 
     assert feedback_for(ro, res, rb, always=True) == ({0: "End with a summary."} if finish == "stop" else {})
 
@@ -162,8 +162,8 @@ def test_rollout_side_implements_the_loops_interface():
     the same parameters (a rollout service must too)."""
     import inspect
 
-    from megatron_tg.train.protocols import RolloutSource
-    from megatron_tg.train.rollouts import RolloutSide
+    from megatron_tg.sampling.protocols import RolloutSource
+    from megatron_tg.sampling.rollouts import RolloutSide
 
     wanted = {n: f for n, f in vars(RolloutSource).items()
               if callable(f) and not n.startswith("_")}
@@ -179,7 +179,7 @@ def test_sglang_tool_call_reading_without_sglang_fails_at_start():
     """The rollout side refuses the setting before any engine starts, not once per rollout."""
     import importlib.util
 
-    from megatron_tg.train.rollouts import RolloutSide
+    from megatron_tg.sampling.rollouts import RolloutSide
 
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("sglang is installed here: the setting is usable")
