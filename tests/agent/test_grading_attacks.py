@@ -26,6 +26,7 @@ from megatron_tg.agent.tools import Tools
 
 from .conftest import NOBODY, REPO
 from .hostile_review2 import REVIEW2, REVIEW2_LEFT_OPEN, marshal_plugin, sourceless_pyc
+from .hostile_review3 import REVIEW3
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
 # ---------------------------------------------------------------- in-process tampering
@@ -406,3 +407,12 @@ def test_what_the_second_review_left_open_is_graded_fail(grader, name):
     g = grade(grader, files or {"calc.py": built[name]()})
     assert not g.passed and g.reason.startswith(reason), (g.reason, g.flags, g.output[-2000:])
 
+
+
+@pytest.mark.parametrize("name", list(REVIEW3))
+def test_the_third_review_s_solutions_are_graded_fail(grader, name):
+    """Each of these got a PASS from the grader the third review attacked (none implements
+    the task; see tests/agent/hostile_review3.py)."""
+    files, reason = REVIEW3[name]
+    g = grade(grader, files)
+    assert not g.passed and g.reason.startswith(reason), (g.reason, g.flags, g.output[-2000:])
