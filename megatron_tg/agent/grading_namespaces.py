@@ -190,21 +190,21 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
                     if type(w) is _fn:
                         yield f"{k}.{n}", w
 
-    def unbound_comparison(m, _code_of=code_of, _checked=checked, _arg=cmp_arg):
-        """Test functions of module ``m`` whose asserts would not call the runner's comparison:
-        the default bound when the function was defined is another object (a solution that
-        replaced the builtin while the test module was being imported)."""
-        bad = []
-        for name, fn in functions_of(m.__dict__):
-            code = _code_of(fn)
-            if code is None:
-                continue
-            kw = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
-            if _arg in kw:
-                d = fn.__kwdefaults__
-                if type(d) is not dict or d.get(_arg) is not _checked:
-                    bad.append(name)
-        return bad
+    def unbound_fn(fn, _code_of=code_of, _checked=checked, _arg=cmp_arg) -> bool:
+        """Whether test function ``fn``'s asserts would not call the runner's comparison: the
+        default bound when it was defined is another object (a solution that replaced the
+        builtin while the test module was being imported, or rewrote the default since)."""
+        code = _code_of(fn)
+        if code is None:
+            return False
+        if _arg not in code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]:
+            return False
+        d = fn.__kwdefaults__
+        return type(d) is not dict or d.get(_arg) is not _checked
+
+    def unbound_comparison(m, _unbound=unbound_fn):
+        """The test functions (and methods) of module ``m`` not bound to the comparison."""
+        return [name for name, fn in functions_of(m.__dict__) if _unbound(fn)]
 
     def written_by_policy(v, _classify=classify, _fn=types.FunctionType, _m=types.MethodType,
                           _partial=functools.partial, _modules=sys.modules, _code_of=code_of):
@@ -252,7 +252,7 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
         return (items, tuple(items), states, mods), unbound
 
     def item_problems(item, session, seen, _state=item_state, _same=operator.is_, _policy=written_by_policy,
-                      _ws=ws):
+                      _ws=ws, _unbound_fn=unbound_fn):
         """Why the item pytest is about to call is not the one collected: the items list
         replaced or changed, the item not collected, its state changed since (function,
         module, marks, a runtest of its own), or a test module's global rebound to code the
@@ -266,6 +266,10 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
             out.append(f"pytest's collected items were replaced (by a {type(now).__name__!s:.40})")
         elif len(now) != len(as_collected) or not all(map(_same, now, as_collected)):
             out.append("pytest's collected items were changed after collection")
+        fn = getattr(item, "obj", None)
+        fn = getattr(fn, "__func__", fn)
+        if type(fn) is types.FunctionType and _unbound_fn(fn):  # its bound comparison rewritten in place
+            out.append(f"{item.nodeid!s:.200}: the runner's comparison not bound in its test function")
         rec = states.get(item.nodeid)
         if rec is None or rec[0] is not item:
             out.append(f"{item.nodeid!s:.200}: an item pytest did not collect")

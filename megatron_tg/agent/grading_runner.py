@@ -430,12 +430,12 @@ def main() -> None:
         elif event == "object.__getattr__" and args[1] in FRAME_ATTRS:
             what = f"frame access ({args[1]})"
         elif event == "object.__getattr__" and args[1] in ("__defaults__", "__kwdefaults__"):
-            # the runner's state, and the comparison bound into each test function
+            # the runner's state (a test function's defaults are the solution's to read:
+            # toolz's curry reads them; the comparison bound there is checked at each call)
             name = code_file(args[0])
-            if name is None or not (name.startswith(runner_dir) or name in protected):
+            if name is None or not name.startswith(runner_dir):
                 return
-            what = f"a read of the grader's own {args[1]}" if name.startswith(runner_dir) else \
-                f"a read of a test function's {args[1]}"
+            what = f"a read of the grader's own {args[1]}"
         elif event == "object.__getattr__" and args[1] == "__code__":
             # the expected values sit in a test's code object (co_consts, the assert's
             # message): reading the code of a test, or of this runner, is not the task
