@@ -1,6 +1,8 @@
 """The grader's pytest entry point, run *inside* the grading sandbox as
-``python -I -B run.py CONFIG.json``. Standard library and pytest only: this file is bound
-read-only into the sandbox on its own (the package around it holds task files).
+``python -I -B run.py CONFIG.json``. Standard library and pytest only: this file and its
+two sibling modules (:mod:`grading_equality`, :mod:`grading_namespaces`, loaded from beside
+it) are bound read-only into the sandbox on their own (the package around them holds task
+files).
 
 Everything here shares one interpreter with the tested code, so nothing in it is secret or
 out of reach in principle; what it does is make each way in leave a mark before it works
@@ -22,7 +24,8 @@ out of reach in principle; what it does is make each way in leave a mark before 
 4. ``==`` / ``!=`` / ``in`` in the asserts of the task's test files go through a check
    that flags an operand whose ``__eq__`` the policy (or pytest: ``approx``) wrote claiming
    an equality with a builtin value that the builtin's own operator does not grant;
-5. each test's outcome is written to the evidence pipe as pytest reports it; the host
+5. each test's outcome is written to the evidence pipe as pytest reports it, after the
+   pipe's descriptor is checked to be the one the host gave (else exit status 3); the host
    reads the pipe only after every process of the sandbox is dead.
 """
 
