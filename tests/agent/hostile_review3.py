@@ -162,12 +162,24 @@ ITEM_IN_PLACE = ("import sys\n\n\ndef add(a, b):\n    for h in sys.meta_path:\n"
                  "            for it in h.config.pluginmanager.get_plugin('session').items:\n"
                  "                if it.nodeid.endswith('test_negative'):\n                    it.runtest = lambda: None\n"
                  "    return 0\n")
+# Found while mending: the hidden test called by the solution itself, in-process, with each
+# guess, the AssertionError caught (an oracle; with os.fork it is flagged as a fork).
+TEST_AS_ORACLE = FORK_ORACLE.replace("        pid = FORK\n        if pid == 0:\n            _guess[0] = g\n"
+                                     "            try:\n                _test(name)(*args)\n                os._exit(0)\n"
+                                     "            except BaseException:\n                os._exit(1)\n"
+                                     "        if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0:\n"
+                                     "            return g\n",
+                                     "        _guess[0] = g\n        try:\n            _test(name)(*args)\n"
+                                     "            return g\n        except AssertionError:\n            pass\n"
+                                     "        finally:\n            _guess[0] = None\n")
 CMP_AT_IMPORT = "import builtins\nbuiltins.__dict__['@tg_cmp'] = lambda *a: True\n\n\ndef add(a, b):\n    return 0\n"
 MEND_PROBES = {
     "eq-true-once": ({"calc.py": EQ_TRUE_ONCE}, "tampering detected: an assert compares a int with an object whose "
                                                 "_E.__eq__ answered otherwise when asked again"),
     "item-runtest-in-place": ({"calc.py": ITEM_IN_PLACE},
                               "tampering detected: tests/test_add.py::test_negative: its own runtest changed"),
+    "test-called-as-oracle": ({"calc.py": TEST_AS_ORACLE},
+                              "tampering detected: a test's assert run by the solution's code (calc.py:"),
     "comparison-bound-at-import": ({"calc.py": CMP_AT_IMPORT},
                                    "tampering detected: the runner's comparison not bound in tests/test_add.py: test_"),
 }
