@@ -103,12 +103,12 @@ ASKED_TWICE = ("class _E:\n    n = 0\n\n    def __eq__(self, o):\n        _E.n +
 RAISES_FIRST = ("class _E:\n    n = 0\n\n    def __eq__(self, o):\n        _E.n += 1\n        if _E.n == 1:\n"
                 "            raise TypeError('not now')\n        return isinstance(o, int)\n    __hash__ = object.__hash__\n\n\n"
                 "def add(a, b):\n    _E.n = 0\n    return _E()\n")
-# 8. pytest's collected items edited: at import (during collection) the session's item list
+# 8. pytest's collected items edited: at import (during collection) pytest's item list
 # is replaced by one that hands out the hidden tests with a runtest that does nothing.
-ITEMS_RUNTEST = ("import sys\n\n\ndef _session():\n    for h in sys.meta_path:\n"
+ITEMS_RUNTEST = ("import sys\n\n\ndef _pytest_main():\n    for h in sys.meta_path:\n"
                  "        if getattr(h, 'config', None) is not None:\n"
                  "            return h.config.pluginmanager.get_plugin('session')\n\n\n"
-                 "_s = _session()\n_items = _s.items\n\n\nclass _Items(list):  # pytest goes on adding to it\n"
+                 "_s = _pytest_main()\n_items = _s.items\n\n\nclass _Items(list):  # pytest goes on adding to it\n"
                  "    def _all(self):\n        return list(list.__iter__(_items)) + list(list.__iter__(self))\n\n"
                  "    def __iter__(self):\n        for it in self._all():\n            if 'test_add.py' in it.nodeid:\n"
                  "                it.runtest = lambda: None\n            yield it\n\n"
