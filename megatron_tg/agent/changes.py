@@ -30,6 +30,9 @@ MAX_FILE_BYTES = 1 << 20
 MAX_CHANGE_BYTES = 8 << 20
 """All added and changed files together."""
 MAX_DEPTH = 64
+MAX_PATH_CHARS = 1024
+"""Longest relative path graded: the checkout is written by path, and a path past the
+system's PATH_MAX (which directories of long names reach well within MAX_DEPTH) cannot be."""
 
 
 class Refused(Exception):
@@ -128,6 +131,8 @@ def scan(root: str | os.PathLike, max_bytes: int, max_files: int) -> dict[str, _
                     if total > max_bytes:
                         raise Refused(f"the workspace holds over {max_bytes >> 20} MiB (apparent size), "
                                       "over its quota")
+                    if len(rel) > MAX_PATH_CHARS:
+                        raise Refused(f"{rel[:300]}...: a path over {MAX_PATH_CHARS} characters")
                     out[rel] = _Entry(st.st_mode, st.st_size, st.st_ino)
                     if stat.S_ISDIR(st.st_mode):
                         if depth + 1 > MAX_DEPTH:

@@ -43,6 +43,11 @@ from megatron_tg.agent.tasks import Task, materialize, write_files
 
 log = logging.getLogger(__name__)
 RUNNER = Path(__file__).with_name("grading_runner.py")
+# The runner's files as the sandbox sees them (its directory, read-only): the entry point is
+# run.py, the modules it loads from beside itself keep their names.
+RUNNER_FILES = {"run.py": RUNNER, "grading_equality.py": RUNNER.with_name("grading_equality.py"),
+                "grading_namespaces.py": RUNNER.with_name("grading_namespaces.py")}
+EVIDENCE_REPLACED = 3  # the runner's exit status when the evidence pipe was not the one it was given
 GRADER_INI = "[pytest]\naddopts =\n"
 MAX_EVIDENCE_BYTES = 16 << 20
 MAX_FILES = 200_000
@@ -102,12 +107,19 @@ def apply_changes(tree: Path, changes: ChangeSet, keep: frozenset[str]) -> list[
     """Write the change into ``tree`` (ours: a pristine copy), except paths that are test
     support; returns those left out."""
     ignored = []
+    for rel in [*changes.deleted, *changes.written]:
+        # A file where the task has a directory (``tests`` made a regular file) would make the
+        # write below remove that directory, test support and all: not graded.
+        if rel in changes.written and os.path.isdir(tree / rel) and not os.path.islink(tree / rel):
+            ignored.append(rel)
     for rel in changes.deleted:
         if is_test_support(rel, keep):
             ignored.append(rel)
         elif os.path.lexists(tree / rel) and not os.path.isdir(tree / rel):
             os.unlink(tree / rel)
     for rel, data in changes.written.items():
+        if rel in ignored:
+            continue
         if is_test_support(rel, keep):
             ignored.append(rel)
             continue
@@ -177,7 +189,8 @@ class Grader:
                 if not os.path.islink(p):
                     os.chmod(p, 0o644)
         solution = [p for p in changes.written if not is_test_support(p, keep)]
-        shutil.copyfile(RUNNER, grader / "run.py")
+        for name, src in RUNNER_FILES.items():
+            shutil.copyfile(src, grader / name)
         (grader / "pytest.ini").write_text(GRADER_INI)
         for d in (grader, base, ev):
             os.chmod(d, 0o755)
@@ -214,6 +227,10 @@ class Grader:
             except asyncio.TimeoutError:  # a process outside any namespace ("none" mode) holds it
                 data = None
             os.close(ev_r)
+        if res.exit_code == EVIDENCE_REPLACED:
+            return GradeResult(False, missing, "the test run's evidence pipe was replaced (its descriptor pointed "
+                               "elsewhere: the records would have gone where the grader does not read)",
+                               res.describe(), [], ignored)
         return verdict(task, data, nonce, canaries, res.describe(), ignored)
 
 

@@ -175,19 +175,27 @@ class Sandbox:
             return
         p = Path(path)
 
-        def give(q) -> None:
+        def give(name, dir_fd=None) -> None:
             # A regular file with more than one link shares its inode with a name elsewhere
             # (possibly a host file): changing its owner would change that file's. Skipped.
-            st = os.lstat(q)
-            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                return
-            os.chown(q, uid, uid, follow_symlinks=False)
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                    return
+                os.chown(name, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                pass  # gone meanwhile (a sandboxed command may still be removing it)
 
         give(p)
         if p.is_dir() and not p.is_symlink():
-            for root, dirs, files in os.walk(p):
-                for name in dirs + files:
-                    give(os.path.join(root, name))
+            # Relative to each directory's descriptor: a tree nested past PATH_MAX (which a
+            # sandboxed command can make) has names no path-based call can reach.
+            try:
+                for _, dirs, files, root_fd in os.fwalk(p, follow_symlinks=False):
+                    for name in dirs + files:
+                        give(name, root_fd)
+            except RecursionError:
+                pass  # nested deeper than the interpreter recurses: what is left is the policy's own
 
     # ------------------------------------------------------------------ command line
     def _prlimit(self, limits: Limits) -> list[str]:

@@ -26,6 +26,7 @@ from megatron_tg.agent.tools import Tools
 
 from .conftest import NOBODY, REPO
 from .hostile_review2 import REVIEW2, REVIEW2_LEFT_OPEN, marshal_plugin, sourceless_pyc
+from .hostile_review3 import MEND_PROBES, REVIEW3
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
 # ---------------------------------------------------------------- in-process tampering
@@ -123,11 +124,13 @@ ATTACKS = {  # name: (calc.py, reason prefix now, passed on the grader before th
     'selective-eq': (SELECTIVE_EQ, 'tampering detected: an assert compares a int with an object whose _R.__eq__ claims an equality the int does not', True),
     'int-subclass-selective-eq': (INT_SELECTIVE_EQ, 'tampering detected: an assert compares a int with an object whose _I.__eq__ claims an equality the int does not', True),
     'pytest-approx-huge-tolerance': (APPROX_RESULT, 'tampering detected: an assert compares a int with an object whose ApproxScalar.__eq__ claims', True),
-    'tgcmp-in-test-globals': (SHADOW_CMP, "tampering detected: the runner's comparison shadowed in tests/test_add.py's globals", True),
+    # since the comparison is bound into each test function, the shadow is what they bind
+    'tgcmp-in-test-globals': (SHADOW_CMP, "tampering detected: the runner's comparison not bound in tests/test_add.py", True),
     'disguised-filename-plugin': (FROZEN_NAME_PLUGIN, "tampering detected: compile of source under the name '<frozen importlib._bootstrap_external>' from calc.py:14", True),
     'gc-emit-via-trusted-caller': (FROZEN_NAME_GC_EMIT, "tampering detected: compile of source under the name '<frozen zipimport>' from calc.py:16", True),
     'disguised-eq-ws-filename': (WS_NAME_EQ, 'tampering detected: compile of source under the name ', True),
-    'patch-and-restore-report': (PATCH_AND_RESTORE, 'tampering detected: open of ', True),
+    # pytest's report building reads the test's code with the patch's frame below (trusted frames are looked past)
+    'patch-and-restore-report': (PATCH_AND_RESTORE, "tampering detected: a read of a test's code", True),
     'subprocess-read-hidden': (SUBPROCESS_READ, 'tampering detected: process creation (subprocess.Popen ', True),
     'dirfd-read-hidden': (DIRFD_READ, "tampering detected: open of 'test_add.py' from calc.py:3", True),
     'loader-get-data-hidden': (LOADER_GET_DATA, 'tampering detected: open of ', True),
@@ -158,11 +161,11 @@ def test_a_patch_removed_before_the_test_ends_is_seen_in_its_phase(grader):
 
 def test_honest_code_using_frames_through_the_stdlib_passes(grader):
     """Controls: logging's caller lookup, typing's and namedtuple's module lookup use frames
-    (benign: they give back names); an always-equal object inside a list is still seen."""
+    (benign: they give back names); an always-equal object inside a list fails."""
     g = grade(grader, {"calc.py": HONEST})
     assert g.passed and not g.flags, (g.reason, g.flags, g.output)
-    g = grade(grader, {"calc.py": NESTED_EQ})
-    assert not g.passed and "_Eq.__eq__" in g.reason, g.reason
+    g = grade(grader, {"calc.py": NESTED_EQ})  # a list is not 5: the assert's own answer (once)
+    assert not g.passed and g.tests["tests/test_add.py::test_small"] == "failed", g.reason
     # threads the solution starts, doing honest work (logging in the worker too), and library
     # numbers with their own __eq__ (a Fraction equal to an int)
     g = grade(grader, {"calc.py": HONEST_THREADS})
@@ -406,3 +409,71 @@ def test_what_the_second_review_left_open_is_graded_fail(grader, name):
     g = grade(grader, files or {"calc.py": built[name]()})
     assert not g.passed and g.reason.startswith(reason), (g.reason, g.flags, g.output[-2000:])
 
+
+
+@pytest.mark.parametrize("name", list(REVIEW3))
+def test_the_third_review_s_solutions_are_graded_fail(grader, name):
+    """Each of these got a PASS from the grader the third review attacked (none implements
+    the task; see tests/agent/hostile_review3.py)."""
+    files, reason = REVIEW3[name]
+    g = grade(grader, files)
+    assert not g.passed and g.reason.startswith(reason), (g.reason, g.flags, g.output[-2000:])
+
+
+@pytest.mark.parametrize("name", list(MEND_PROBES))
+def test_the_third_review_s_mends_hold_against_their_own_class(grader, name):
+    """The same classes aimed at the mends (an __eq__ that answers the assert yes and the
+    check no, an item edited in place, the comparison replaced before the tests bind it)."""
+    files, reason = MEND_PROBES[name]
+    g = grade(grader, files)
+    assert not g.passed and g.reason.startswith(reason), (g.reason, g.flags, g.output[-2000:])
+
+
+def test_a_file_where_the_tests_directory_was_grades_against_the_pristine_tests(grader):
+    """``tests`` made a regular file: applying the change removed the pristine tests
+    directory (its conftest and PASS_TO_PASS tests with it). The file is not graded."""
+    def flatten(ws):
+        rmtree(Path(ws, "tests"))
+        Path(ws, "tests").write_text("nothing to see\n")
+    g = grade(grader, {"calc.py": CORRECT}, after=flatten)
+    assert g.passed and g.ignored == ["tests", "tests/conftest.py", "tests/test_calc.py"], (g.reason, g.ignored)
+    g = grade(grader, {"calc.py": WRONG}, after=flatten)
+    assert not g.passed and g.tests["tests/test_calc.py::test_importable"] == "passed", (g.reason, g.output[-2000:])
+
+
+def test_a_tree_nested_past_path_max_is_a_fail_naming_the_path(grader):
+    """Adopting such a tree raised ENAMETOOLONG (a path-based walk); grading it is a FAIL that
+    names where it is too deep."""
+    def deep(ws):
+        fd = os.open(ws, os.O_RDONLY)
+        try:
+            for _ in range(40):  # 40 * 201 characters: past PATH_MAX (4096)
+                os.mkdir("d" * 200, dir_fd=fd)
+                nxt = os.open("d" * 200, os.O_RDONLY, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            os.close(os.open("x.py", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+        finally:
+            os.close(fd)
+    g = grade(grader, {"calc.py": CORRECT}, after=deep)  # grade() adopts the tree first
+    assert not g.passed and g.reason.startswith("not graded: " + "d" * 200 + "/d"), g.reason[:300]
+    assert g.reason.endswith("...: a path over 1024 characters"), g.reason[-200:]
+
+
+def test_the_sandbox_runs_the_runner_files_of_this_package(grader):
+    """Each runner module is bound beside run.py (the runner is split by responsibility):
+    a test run inside the sandbox hashes what it finds there."""
+    import hashlib
+
+    from megatron_tg.agent.grading import RUNNER_FILES
+    want = {name: hashlib.sha256(src.read_bytes()).hexdigest() for name, src in RUNNER_FILES.items()}
+    task = Task(id="runner-files", instruction="-", files={"calc.py": CORRECT},
+                hidden_files={"tests/test_runner_files.py": (
+                    "import hashlib, os, sys\n\n\ndef test_files():\n"
+                    "    d = os.path.dirname(sys.modules['__main__'].__file__)\n"
+                    "    got = {n: hashlib.sha256(open(os.path.join(d, n), 'rb').read()).hexdigest()\n"
+                    "           for n in os.listdir(d) if n.endswith('.py')}\n"
+                    f"    assert got == {want!r}\n")},
+                fail_to_pass=["tests/test_runner_files.py::test_files"])
+    g = grade(grader, {}, task=task)
+    assert g.passed, (g.reason, g.flags, g.output[-2000:])
