@@ -127,6 +127,8 @@ class MemoryOccupation:
             if s.is_buffer or self.enable_weights_cpu_backup:
                 s.backup = torch.empty(s.nbytes, dtype=torch.uint8)
                 s.backup.untyped_storage().copy_(s.storage)
+            # A numpy view (the weight checker's hashing) pins a storage for good: move it.
+            _make_resizable(s)
             s.storage.resize_(0)
 
     @torch.no_grad()
@@ -153,7 +155,7 @@ class MemoryOccupation:
 def _make_resizable(s: _Storage) -> None:
     """Move a storage's bytes into one that can be freed in place (SGLang allocates the
     weights inside its memory saver's region; here a checkpoint's tensors may be memory-mapped
-    from the file, and such storages cannot be resized)."""
+    from the file, and a storage once seen through ``Tensor.numpy()`` stays unresizable)."""
     if s.storage.resizable():
         return
     fresh = torch.UntypedStorage(s.nbytes)
