@@ -22,7 +22,7 @@ on servers that predate it): its SGLang version and its parallel sizes.
   handles to tensors this process holds, one payload per engine TP rank, in SGLang's
   ``MultiprocessingSerializer`` / ``FlattenedTensorBucket`` format
   (:mod:`~megatron_tg.rollout.transport`); :meth:`WeightUpdateCalls.send_weights_from_tensor`
-  packs buckets and sends them one at a time inside a begin/end session.
+  packs buckets and sends them one at a time between one begin and one end call.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ class WeightUpdateCalls:
                                        weight_version: str | None = None) -> int:
         """Write ``named_tensors`` (HF names) into one engine from this process, in
         ``flattened_bucket`` requests of at most ``bucket_bytes``, inside one
-        ``/begin_weight_update`` ... ``/end_weight_update`` session; then flush, and set
+        ``/begin_weight_update`` ... ``/end_weight_update`` pair; then flush, and set
         ``weight_version`` if given. Returns the number of requests sent.
 
         Peak extra memory is one bucket: each is packed, sent, and reused (CPU) or freed
