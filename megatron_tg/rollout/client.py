@@ -658,15 +658,22 @@ class SGLangClient(WeightUpdateCalls):
         await self._after_weight_update(ok, weight_version)
         return ok
 
-    async def update_weights_from_tensor(self, named_tensors, weight_version: str | None = None, **fields) -> dict:
-        from .transport import encode_named_tensors
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None,
+                                        servers: Iterable[str] | None = None) -> dict[str, Any]:
+        """SGLang's ``/release_memory_occupation`` on every server (strict): free the memory
+        tagged ``weights`` / ``kv_cache`` / ``cuda_graph`` (None: all). Engines must be idle
+        (pause with ``retract`` or let requests finish first) and started with
+        ``--enable-memory-saver`` for anything to be freed."""
+        body = {"tags": list(tags) if tags is not None else None}
+        return await self.broadcast("POST", "/release_memory_occupation", body, servers=servers, strict=True)
 
-        body = {"serialized_named_tensors": [encode_named_tensors(named_tensors)], **fields}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        ok = await self.broadcast("POST", "/update_weights_from_tensor", body)
-        await self._after_weight_update(ok, weight_version)
-        return ok
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None,
+                                       servers: Iterable[str] | None = None) -> dict[str, Any]:
+        """SGLang's ``/resume_memory_occupation`` on every server (strict): reallocate what
+        ``tags`` released (None: all). Without ``--enable-weights-cpu-backup`` resumed weights
+        hold nothing meaningful until an update writes them."""
+        body = {"tags": list(tags) if tags is not None else None}
+        return await self.broadcast("POST", "/resume_memory_occupation", body, servers=servers, strict=True)
 
 
 def _loads(text: str) -> Any:

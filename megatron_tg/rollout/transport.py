@@ -3,8 +3,14 @@ the trainer side (:mod:`megatron_tg.rollout.weight_client`, :mod:`megatron_tg.we
 and the embedded CPU engine (:mod:`megatron_tg.rollout.engine.weights`) import them from
 here, so the production path does not depend on the engine that stands in for SGLang.
 
-* the body format of ``/update_weights_from_tensor`` (:func:`encode_named_tensors`,
-  :func:`decode_named_tensors`);
+* the body of ``/update_weights_from_tensor`` in SGLang 0.5.23's own format (the section
+  "tensor payloads" below): each entry of ``serialized_named_tensors`` is what SGLang's
+  ``MultiprocessingSerializer.serialize(obj, output_str=True)`` makes, base64 of a
+  ``ForkingPickler`` pickle in which tensors are shared, not copied (CUDA tensors as CUDA IPC
+  handles, CPU tensors as shared-memory files); with ``load_format="flattened_bucket"`` the
+  object is ``{"flattened_tensor": uint8 tensor, "metadata": [FlattenedTensorMetadata]}``
+  laid out as SGLang's ``FlattenedTensorBucket`` (:func:`serialize_bucket`,
+  :func:`deserialize_payload`, :func:`reconstruct_bucket`);
 * the weight-update group (trainer rank 0 plus every engine GPU), formed by
   :func:`init_weight_update_group` exactly the way SGLang's ``init_custom_process_group``
   forms it on each engine GPU, so the two sides find each other's store keys; rank 0's store
@@ -21,27 +27,13 @@ from __future__ import annotations
 
 import base64
 import io
+import pickle
+import types
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
 
 import torch
-
-
-def encode_named_tensors(named_tensors) -> str:
-    """Body format of our /update_weights_from_tensor: base64 of torch.save([(name, tensor)]).
-
-    (SGLang's field carries MultiprocessingSerializer bytes with CUDA IPC handles, which
-    cannot cross hosts; an HTTP-only CPU engine needs the data itself.)
-    """
-    buf = io.BytesIO()
-    torch.save([(n, t.detach().cpu().contiguous()) for n, t in named_tensors], buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def decode_named_tensors(payload: str):
-    data = torch.load(io.BytesIO(base64.b64decode(payload)), weights_only=True)
-    return [(str(n), t) for n, t in data]
 
 
 def as_dtype(name) -> torch.dtype:
@@ -224,3 +216,169 @@ def describe(named_tensors) -> dict:
         "dtypes": [str(t.dtype).replace("torch.", "") for _, t in named_tensors],
         "shapes": [list(t.shape) for _, t in named_tensors],
     }
+
+
+# ---- tensor payloads of /update_weights_from_tensor -------------------------------------------
+# SGLang 0.5.23: ``UpdateWeightsFromTensorReqInput.serialized_named_tensors`` holds one entry per
+# engine TP rank; rank r deserialises entry r alone (``TpModelWorker.deserialize_own_rank``:
+# opening another rank's CUDA IPC handle would break the producer's refcounting) with
+# ``MultiprocessingSerializer.deserialize`` (base64, then its ``SafeUnpickler``).
+LOAD_FORMAT_BUCKET = "flattened_bucket"
+
+_META_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """One tensor of a flattened bucket, with SGLang's field names: byte offsets
+    ``[start_idx, end_idx)`` into the uint8 ``flattened_tensor``, ``numel`` its byte count
+    (0.5.23 views every tensor as uint8 before concatenating)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+    def __reduce__(self):
+        # Pickled as a SimpleNamespace with the same attributes: SGLang's loader
+        # (``_update_weights_from_flattened_bucket``) reads only the attributes, its
+        # SafeUnpickler admits ``types.SimpleNamespace``, and the sender needs no sglang
+        # import (SGLang's own class pickles as a reference into sglang's modules).
+        return (types.SimpleNamespace, (), {k: getattr(self, k) for k in _META_FIELDS})
+
+
+def bucket_metadata(bucket: "FlatBucket") -> list[FlattenedTensorMetadata]:
+    """The metadata of a packed :class:`FlatBucket` (same offsets as :func:`bucket_offsets`)."""
+    specs, _ = bucket_offsets(bucket.names, bucket.dtypes, bucket.shapes)
+    return [FlattenedTensorMetadata(n, torch.Size(s), d, a, b, b - a) for n, d, s, a, b in specs]
+
+
+def _share_storage_by_name(storage):
+    """A CPU storage shared through a named shared-memory file (torch's ``file_system``
+    strategy), whatever this process's sharing strategy is.
+
+    The default ``file_descriptor`` strategy hands the fd over a socket that
+    ``multiprocessing.resource_sharer`` serves, which admits only processes holding this
+    process's ``authkey``: an engine started as its own program (``subprocess``, Slurm) is
+    refused (AuthenticationError, measured). A file name opens in any process on the host.
+    Mirrors ``torch.multiprocessing.reductions.reduce_storage``'s file_system branch."""
+    from torch.multiprocessing import reductions as R
+
+    if storage.device.type != "cpu":
+        return R.reduce_storage(storage)  # raises its own error for CUDA/meta storages
+    # Moves the data into a shared-memory file once; the storage stays there afterwards.
+    metadata = storage._share_filename_cpu_()
+    # The receiver decrements this once it has opened the file; until then the file lives.
+    storage._shared_incref()
+    R.shared_cache[metadata[1]] = R.StorageWeakRef(storage)
+    return (R.rebuild_storage_filename, (type(storage),) + metadata)
+
+
+def _forking_pickler():
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions)
+
+    class _Pickler(ForkingPickler):
+        def __init__(self, file):
+            super().__init__(file)
+            self.dispatch_table[torch.UntypedStorage] = _share_storage_by_name
+
+    return _Pickler
+
+
+def serialize(obj) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``: base64 (UTF-8
+    text) of a ForkingPickler pickle. Tensors travel as handles, never as data: CUDA tensors
+    as CUDA IPC handles (torch's ``reduce_tensor``), CPU tensors as shared-memory file names.
+    The tensors must stay alive, unchanged, until the engine has answered the request that
+    carries them (it opens the handles and copies while the request runs)."""
+    buf = io.BytesIO()
+    _forking_pickler()(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("utf-8")
+
+
+def serialize_bucket(bucket: "FlatBucket") -> str:
+    """One ``serialized_named_tensors`` entry for ``load_format="flattened_bucket"``."""
+    if not bucket.names:
+        raise ValueError("Cannot create empty tensor bucket")
+    return serialize({"flattened_tensor": bucket.flat(), "metadata": bucket_metadata(bucket)})
+
+
+def _allowed_global(module: str, name: str) -> bool:
+    if (module, name) in _ALLOWED_GLOBALS:
+        return True
+    if module == "torch":  # dtypes and storage classes, not torch's functions
+        obj = getattr(torch, name, None)
+        return isinstance(obj, torch.dtype) or obj in getattr(torch, "_storage_classes", ())
+    return False
+
+
+# What a payload of tensors, dicts, lists and metadata needs: a subset of SGLang 0.5.23's
+# ``SafeUnpickler.ALLOWED_GLOBALS``, so that nothing but data can be rebuilt. CUDA handles
+# (``rebuild_cuda_tensor``) are left out: a CPU process cannot open them.
+_ALLOWED_GLOBALS = frozenset({
+    ("builtins", "list"), ("builtins", "dict"), ("builtins", "tuple"), ("builtins", "int"),
+    ("builtins", "str"), ("builtins", "bool"), ("builtins", "float"), ("collections", "OrderedDict"),
+    ("copyreg", "__newobj__"),
+    ("types", "SimpleNamespace"), ("torch", "Size"), ("torch", "Tensor"),
+    ("torch.nn.parameter", "Parameter"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_parameter"), ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"), ("multiprocessing.resource_sharer", "DupFd"),
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
+})
+# SGLang's own metadata class (what slime sends) is read as ours: same fields.
+_SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) == _SGLANG_METADATA:
+            return FlattenedTensorMetadata
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor") or \
+                (module, name) == ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"):
+            raise ValueError("the payload holds CUDA IPC handles, which only a process on that GPU can open")
+        if _allowed_global(module, name):
+            return super().find_class(module, name)
+        raise ValueError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+
+
+def deserialize_payload(payload: str | bytes):
+    """SGLang's ``MultiprocessingSerializer.deserialize``: base64 text (validated) or raw
+    pickle bytes, read by an unpickler that rebuilds only tensors and plain data."""
+    import torch.multiprocessing  # noqa: F401  (the rebuild functions live there)
+
+    data = base64.b64decode(payload, validate=True) if isinstance(payload, str) else bytes(payload)
+    return _SafeUnpickler(io.BytesIO(data)).load()
+
+
+def reconstruct_bucket(obj) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views of a ``flattened_bucket`` payload, as SGLang's
+    ``FlattenedTensorBucket.reconstruct_tensors`` makes them, after the checks its
+    ``FlattenedTensorBucket.empty`` makes of a received bucket (no negative dimension,
+    each tensor at a multiple of its element size, offsets matching shapes and inside the
+    buffer)."""
+    if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
+        raise ValueError("a flattened_bucket payload is a dict with 'flattened_tensor' and 'metadata'")
+    flat, out = obj["flattened_tensor"], []
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError("flattened_tensor must be a 1-D uint8 tensor")
+    for m in obj["metadata"]:
+        name, d, s = str(m.name), as_dtype(m.dtype), torch.Size(m.shape)
+        size = s.numel() * d.itemsize
+        if any(x < 0 for x in s):
+            raise ValueError(f"Negative dimension in received tensor {name}: {tuple(s)}")
+        if m.start_idx % d.itemsize:
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {m.start_idx}, dtype {d}")
+        if m.end_idx - m.start_idx != size or not 0 <= m.start_idx <= m.end_idx <= flat.numel():
+            raise ValueError(f"tensor {name}: bytes [{m.start_idx}, {m.end_idx}) do not hold {tuple(s)} {d} "
+                             f"inside a {flat.numel()}-byte bucket")
+        out.append((name, flat[m.start_idx:m.end_idx].view(d).reshape(s)))
+    return out

@@ -18,6 +18,11 @@ on servers that predate it): its SGLang version and its parallel sizes.
 * **Transport.** NCCL with GPU tensors on clusters, gloo on CPU; the trainer's side is
   formed by :func:`~megatron_tg.rollout.transport.init_weight_update_group`, the same
   way SGLang forms the engines' side.
+* **From tensors** (colocated engines, same host): ``/update_weights_from_tensor`` carries
+  handles to tensors this process holds, one payload per engine TP rank, in SGLang's
+  ``MultiprocessingSerializer`` / ``FlattenedTensorBucket`` format
+  (:mod:`~megatron_tg.rollout.transport`); :meth:`WeightUpdateCalls.send_weights_from_tensor`
+  packs buckets and sends them one at a time between one begin and one end call.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from typing import Any, Protocol, Sequence
 from packaging.version import InvalidVersion, Version
 
 from .errors import SGLangClientError
-from .transport import FlatBucket, WeightUpdateGroup, describe, init_weight_update_group, send_tensors
+from .transport import (LOAD_FORMAT_BUCKET, FlatBucket, WeightUpdateGroup, describe, init_weight_update_group,
+                        send_tensors, serialize_bucket)
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +209,77 @@ class WeightUpdateCalls:
         if weight_version is not None:
             await self._after_weight_update(ok, weight_version)
         return ok
+
+    async def update_weights_from_tensor(self, url: str, serialized_named_tensors: Sequence[str], *,
+                                         load_format: str | None = LOAD_FORMAT_BUCKET, flush_cache: bool = False,
+                                         abort_all_requests: bool = False,
+                                         weight_version: str | None = None) -> dict[str, Any]:
+        """One ``/update_weights_from_tensor`` to one engine: ``serialized_named_tensors[r]`` is
+        what the engine's TP rank r opens, so its length must be the engine's tp_size (checked
+        here: SGLang would index by rank and ignore extra entries). ``flush_cache`` defaults to
+        False as for the broadcast path: a sync flushes once, after its last bucket."""
+        info = await self.engine_info(url)
+        if len(serialized_named_tensors) != info.tp_size:
+            raise SGLangClientError(f"{url}: update_weights_from_tensor needs one payload per TP rank "
+                                    f"(tp_size={info.tp_size}), got {len(serialized_named_tensors)}")
+        body = {"serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
+                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._call(url, "POST", "/update_weights_from_tensor", body)
+
+    async def send_weights_from_tensor(self, url: str, named_tensors, *, bucket_bytes: int,
+                                       weight_version: str | None = None) -> int:
+        """Write ``named_tensors`` (HF names) into one engine from this process, in
+        ``flattened_bucket`` requests of at most ``bucket_bytes``, inside one
+        ``/begin_weight_update`` ... ``/end_weight_update`` pair; then flush, and set
+        ``weight_version`` if given. Returns the number of requests sent.
+
+        Peak extra memory is one bucket: each is packed, sent, and reused (CPU) or freed
+        (GPU) only after the engine's reply, since the engine reads the bucket's memory itself
+        while the request runs. Every TP rank gets its own payload of the same bucket (one
+        process holds all of it here; colocated trainer ranks on the engine's GPUs each
+        send their own, which is the trainer-side work still to come)."""
+        info = await self.engine_info(url)
+        await self._call(url, "POST", "/begin_weight_update", {})
+        sent, bucket = 0, None
+        try:
+            for name, t in named_tensors:
+                if bucket is None:
+                    bucket = FlatBucket(bucket_bytes, t.device)
+                if not bucket.fits(t):
+                    if not bucket.names:
+                        raise ValueError(f"{name} ({t.numel() * t.element_size()} bytes) does not fit a "
+                                         f"{bucket_bytes}-byte bucket")
+                    sent += await self._send_bucket(url, bucket, info.tp_size)
+                bucket.add(name, t)
+            if bucket is not None and bucket.names:
+                sent += await self._send_bucket(url, bucket, info.tp_size)
+        finally:
+            if bucket is not None:
+                bucket.release()
+            await self._call(url, "POST", "/end_weight_update", {})
+        await self._call(url, "POST", "/flush_cache", {})
+        if weight_version is not None:
+            await self.update_weight_version(str(weight_version), servers=[url])
+        return sent
+
+    async def _send_bucket(self, url: str, bucket: FlatBucket, tp_size: int) -> int:
+        # One serialisation per rank: each takes one reference the opening rank gives back.
+        payloads = [serialize_bucket(bucket) for _ in range(tp_size)]
+        reply = await self.update_weights_from_tensor(url, payloads)
+        if not (isinstance(reply, dict) and reply.get("success")):
+            raise SGLangClientError(f"{url}: update_weights_from_tensor failed: {reply!r:.500}")
+        if bucket.device.type == "cuda":
+            import torch
+
+            # The engine has answered: its IPC handles are closed. A fresh buffer per bucket,
+            # as a CUDA copy the engine queued may still read this one (slime's finding).
+            bucket.release()
+            torch.cuda.ipc_collect()
+        else:
+            bucket.clear()
+        return 1
 
     async def update_weight_version(self, version: str, servers: Sequence[str] | None = None) -> dict[str, Any]:
         """Set the version engines report (requests keep running: abort_all_requests=False)."""

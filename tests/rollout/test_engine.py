@@ -364,7 +364,7 @@ def test_flush_fails_while_paused_in_place_and_succeeds_retracted(http_call, eng
     (an update with SGLang's default flush_cache=true loads, then answers 400); retract
     moves them to the waiting queue, which a paused flush ignores (SGLang >= 0.5.21)."""
     from megatron_tg.rollout.engine.weights import iter_checkpoint
-    from megatron_tg.rollout.transport import encode_named_tensors
+    from megatron_tg.rollout.transport import serialize
 
     name = "model.norm.weight"
     original = dict(iter_checkpoint(str(model_a)))[name]
@@ -373,7 +373,7 @@ def test_flush_fails_while_paused_in_place_and_succeeds_retracted(http_call, eng
     try:
         http_call(engine.url, "/pause_generation", {"mode": "in_place"})
         assert http_call(engine.url, "/flush_cache", {})[0] == 400
-        body = {"serialized_named_tensors": [encode_named_tensors([(name, original * 3)])]}
+        body = {"serialized_named_tensors": [serialize([(name, original * 3)])]}
         s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)
         assert s == 400 and "cache was not flushed" in out["message"]
         got = torch.tensor(http_call(engine.url, "/get_weights_by_name", {"name": name})[1])
@@ -381,7 +381,7 @@ def test_flush_fails_while_paused_in_place_and_succeeds_retracted(http_call, eng
         http_call(engine.url, "/continue_generation", {})
         http_call(engine.url, "/pause_generation", {"mode": "retract"})
         assert http_call(engine.url, "/flush_cache", {})[0] == 200
-        body = {"serialized_named_tensors": [encode_named_tensors([(name, original)])], "flush_cache": True}
+        body = {"serialized_named_tensors": [serialize([(name, original)])], "flush_cache": True}
         s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)
         assert s == 200 and out["success"], out
     finally:
@@ -393,16 +393,16 @@ def test_flush_fails_while_paused_in_place_and_succeeds_retracted(http_call, eng
 
 def test_update_weights_from_tensor(http_call, engine, model_a):
     from megatron_tg.rollout.engine.weights import iter_checkpoint
-    from megatron_tg.rollout.transport import encode_named_tensors
+    from megatron_tg.rollout.transport import serialize
 
     name = "model.norm.weight"
     original = dict(iter_checkpoint(str(model_a)))[name]
-    body = {"serialized_named_tensors": [encode_named_tensors([(name, original * 2)])], "weight_version": "t"}
+    body = {"serialized_named_tensors": [serialize([(name, original * 2)])], "weight_version": "t"}
     assert http_call(engine.url, "/update_weights_from_tensor", body)[0] == 400  # outside begin/end
     s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)
     assert s == 200 and out["success"], out
     assert torch.equal(torch.tensor(http_call(engine.url, "/get_weights_by_name", {"name": name})[1]), original * 2)
-    body = {"serialized_named_tensors": [encode_named_tensors([(name, original)])]}
+    body = {"serialized_named_tensors": [serialize([(name, original)])]}
     assert _between_begin_end(http_call, engine, "/update_weights_from_tensor", body)[1]["success"]
 
 
@@ -410,7 +410,7 @@ def test_unknown_weight_names_are_skipped_but_the_checker_names_what_was_missed(
     """Finding 7: SGLang's loader skips names it does not know (no error, stale weights);
     snapshot -> reset_tensors -> update -> compare names the weight a renamed tensor missed."""
     from megatron_tg.rollout.engine.weights import iter_checkpoint
-    from megatron_tg.rollout.transport import encode_named_tensors
+    from megatron_tg.rollout.transport import serialize
 
     tensors = list(iter_checkpoint(str(model_a)))
     typo = [("model.layers.0.self_attn.q_norm.weightt" if n == "model.layers.0.self_attn.q_norm.weight" else n, t)
@@ -419,7 +419,7 @@ def test_unknown_weight_names_are_skipped_but_the_checker_names_what_was_missed(
     try:
         assert check("snapshot")[0] == 200 and check("reset_tensors")[0] == 200
         s, out = _between_begin_end(http_call, engine, "/update_weights_from_tensor",
-                          {"serialized_named_tensors": [encode_named_tensors(typo)]})
+                          {"serialized_named_tensors": [serialize(typo)]})
         assert s == 200 and out["success"]  # the bad name went unnoticed by the loader
         s, out = check("compare")
         assert s == 400 and out["message"] == "check tensor equality failed: name=model.layers.0.self_attn.q_norm.weight"
@@ -427,7 +427,7 @@ def test_unknown_weight_names_are_skipped_but_the_checker_names_what_was_missed(
         http_call(engine.url, "/update_weights_from_disk", {"model_path": str(model_a)})
         assert check("snapshot")[0] == 200 and check("reset_tensors")[0] == 200
         _between_begin_end(http_call, engine, "/update_weights_from_tensor",
-                 {"serialized_named_tensors": [encode_named_tensors(tensors)]})
+                 {"serialized_named_tensors": [serialize(tensors)]})
         assert check("compare") == (200, {"success": True, "message": "Success."})
     finally:
         http_call(engine.url, "/update_weights_from_disk", {"model_path": str(model_a)})

@@ -59,7 +59,8 @@ def test_admin_optional_routes_are_sglangs():
     ours = {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
             "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
             "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
-            "/end_weight_update", "/update_weight_version", "/get_weights_by_name", "/weights_checker"}
+            "/end_weight_update", "/update_weight_version", "/get_weights_by_name", "/weights_checker",
+            "/release_memory_occupation", "/resume_memory_occupation"}
     assert ours & theirs == ADMIN_OPTIONAL
 
 

@@ -65,6 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--enable-return-routed-experts", action="store_true",
                     help="record each token's routed experts (SGLang's flag; requests then "
                          "may set return_routed_experts)")
+    ap.add_argument("--enable-memory-saver", action="store_true",
+                    help="SGLang's: /release_memory_occupation really frees the weights (without it "
+                         "release and resume succeed and free nothing)")
+    ap.add_argument("--enable-weights-cpu-backup", action="store_true",
+                    help="SGLang's: keep a copy of the weights while released, so resume restores "
+                         "them (without it they must be rewritten after resume)")
     ap.add_argument("--api-key", help="SGLang's: requests must carry 'Authorization: Bearer KEY' "
                                        "(/health*, /ready*, /metrics* stay open)")
     ap.add_argument("--admin-api-key", help="SGLang's: the admin endpoints (weight updates, pause, "
@@ -109,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         enable_return_routed_experts=args.enable_return_routed_experts,
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,
+        enable_memory_saver=args.enable_memory_saver,
+        enable_weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     logging.getLogger(__name__).info("serving %s on http://%s:%d (%s)", args.model, args.host, args.port,
                                      "API key required" if args.api_key or args.admin_api_key else "no API key")

@@ -79,6 +79,7 @@ class Scheduler:
         self.batch: BatchState | None = None
         self.next_tokens: list[int] = []  # sampled but not yet fed, one per running row
         self.paused: str | None = None  # None or the pause mode
+        self.hold_admission = False  # memory released (memory.py): queued requests wait
         self.calls: list[_Call] = []
         self.steps = 0
         self._stop = False
@@ -127,7 +128,7 @@ class Scheduler:
                 can_step = self.paused is None and (bool(self.running) or self._admittable())
                 self._drain_inbox(block=not can_step and not any(map(self._ready, self.calls)))
                 self._run_ready_calls()
-                if self.paused is None and not self._draining():
+                if self.paused is None and not self._draining() and not self.hold_admission:
                     self._admit()
                 if self.paused is None and self.running:
                     self._decode_step()
@@ -141,7 +142,7 @@ class Scheduler:
             self._finish(slot, finish_abort(message, status_code=500))
 
     def _admittable(self) -> bool:
-        return bool(self.waiting) and self.paused is None and not self._draining()
+        return bool(self.waiting) and self.paused is None and not self._draining() and not self.hold_admission
 
     def _draining(self) -> bool:
         return any(c.drain for c in self.calls) and self.paused is None

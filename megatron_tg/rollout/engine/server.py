@@ -24,6 +24,8 @@ from . import weights as W
 from .weight_api import SGLangRules, WeightEndpoints
 from .model_runner import ModelRunner
 from .errors import RequestError
+from .memory import (KV_CACHE, NOT_IDLE, WEIGHTS, MemoryOccupation, MemoryStateError, kv_cache_bytes,
+                     parse_tags)
 from .protocol import GenRequest, SamplingParams, build_response, parse_generate
 from .scheduler import Scheduler
 
@@ -42,6 +44,7 @@ ADMIN_OPTIONAL = frozenset((
     "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
     "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
     "/end_weight_update", "/update_weight_version", "/get_weights_by_name", "/weights_checker",
+    "/release_memory_occupation", "/resume_memory_occupation",
 ))
 
 
@@ -65,6 +68,8 @@ class EngineServer(WeightEndpoints):
         enable_return_routed_experts: bool = False,
         api_key: str | None = None,
         admin_api_key: str | None = None,
+        enable_memory_saver: bool = False,
+        enable_weights_cpu_backup: bool = False,
     ):
         # SGLang's --api-key / --admin-api-key, enforced by SGLang's rule (megatron_tg.auth).
         self.api_key, self.admin_api_key = api_key or None, admin_api_key or None
@@ -92,6 +97,8 @@ class EngineServer(WeightEndpoints):
         self.rules = SGLangRules(sglang_version)  # the release whose weight-update rules apply
         self.update_open = False  # between /begin_weight_update and /end_weight_update
         self.checker = W.WeightChecker(self.runner.model)
+        # SGLang's --enable-memory-saver / --enable-weights-cpu-backup (memory.py).
+        self.memory = MemoryOccupation(self.runner.model, enable_memory_saver, enable_weights_cpu_backup)
         self.started = time.time()
 
     # ---- plumbing between the event loop and the scheduler thread -----------------------
@@ -142,6 +149,9 @@ class EngineServer(WeightEndpoints):
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
+        for method in ("GET", "POST"):  # SGLang's api_route(methods=["GET", "POST"])
+            r.add_route(method, "/release_memory_occupation", self.release_memory_occupation)
+            r.add_route(method, "/resume_memory_occupation", self.resume_memory_occupation)
         self.add_weight_routes(r)
         app.on_startup.append(self._startup)
         app.on_shutdown.append(self._shutdown)
@@ -183,6 +193,8 @@ class EngineServer(WeightEndpoints):
                         )
         except RequestError as exc:
             return _error(str(exc))
+        if (why := self.memory.refusal()) is not None:
+            return _error(why)
         loop = asyncio.get_running_loop()
         futs = []
         for r in reqs:
@@ -236,6 +248,45 @@ class EngineServer(WeightEndpoints):
             "(When there are running or waiting requests, the operation will not be performed.)\n"
         )
 
+    # ---- memory release / resume (memory.py) ------------------------------------------------
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        async def change(tags: list[str]) -> None:
+            def release():
+                if self.flush_busy():  # SGLang's is_fully_idle(ignore_waiting=paused)
+                    raise MemoryStateError(NOT_IDLE)
+                self.memory.release(tags)
+                self.scheduler.hold_admission = self._holds_admission()
+
+            await self._call(release, drain=False)
+
+        return await self._memory_call(request, change)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        async def change(tags: list[str]) -> None:
+            def resume():
+                self.memory.resume(tags)
+                self.scheduler.hold_admission = self._holds_admission()
+
+            await self._call(resume, drain=False)
+
+        return await self._memory_call(request, change)
+
+    async def _memory_call(self, request: web.Request, change) -> web.Response:
+        try:
+            await change(parse_tags((await self._body(request)).get("tags")))
+        except (RequestError, MemoryStateError) as exc:
+            return _error(str(exc))  # SGLang's _create_error_response: 400, {"error": {"message"}}
+        return _json(None)  # SGLang's route returns None: 200 with the body null
+
+    def _holds_admission(self) -> bool:
+        return WEIGHTS in self.memory.released or KV_CACHE in self.memory.released
+
+    def _occupation(self) -> dict[str, Any]:
+        """Runs on the scheduler thread: bytes the engine's tensors hold now."""
+        return {"weights_bytes": self.memory.weights_bytes(), "kv_cache_bytes": kv_cache_bytes(self.scheduler.batch),
+                "weights_backup_bytes": self.memory.backup_bytes(), "released": sorted(self.memory.released),
+                "enable_memory_saver": self.memory.enable_memory_saver}
+
     # ---- info --------------------------------------------------------------------------
     async def ready(self, request: web.Request) -> web.Response:
         # SGLang: 200 when up and not paused (no generation).
@@ -251,8 +302,8 @@ class EngineServer(WeightEndpoints):
         /health_generate do: 200 once it is generated, 503 after HEALTH_CHECK_TIMEOUT
         seconds. While paused nothing is generated, so the answer is 503 after the
         timeout, as on SGLang (a client must not read that as a dead server)."""
-        if not self.scheduler.alive:
-            return web.Response(status=503)
+        if not self.scheduler.alive or self.memory.refusal() is not None:
+            return web.Response(status=503)  # released memory cannot generate the token
         deadline = time.monotonic() + HEALTH_CHECK_TIMEOUT
         # SGLang holds a request at the tokenizer while paused (outside the scheduler, so
         # it blocks no flush); so does this, polling for the continue.
@@ -296,6 +347,7 @@ class EngineServer(WeightEndpoints):
 
     async def server_info(self, request: web.Request) -> web.Response:
         s = self.scheduler
+        occ = await self._call(self._occupation, drain=False)
         return _json(
             {
                 "model_path": self.model_path,
@@ -304,8 +356,12 @@ class EngineServer(WeightEndpoints):
                 "context_length": self.context_len,
                 "internal_states": [
                     {"num_running": len(s.running), "num_waiting": len(s.waiting), "paused": s.paused,
-                     "decode_steps": s.steps}
+                     "decode_steps": s.steps,
+                     # SGLang's keys (GB, 3 decimals), here measured now rather than at startup.
+                     "memory_usage": {"weight": round(occ["weights_bytes"] / 2**30, 3),
+                                      "kvcache": round(occ["kv_cache_bytes"] / 2**30, 3)}}
                 ],
+                "memory_occupation": occ,  # exact bytes (not an SGLang key)
                 "startup_time": self.started,
                 "version": self.rules.version,  # the SGLang release whose rules it follows
                 "frontend": "embedded-cpu",

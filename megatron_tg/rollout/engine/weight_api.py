@@ -31,6 +31,7 @@ from megatron_tg.rollout import transport as T
 
 from . import weights as W
 from .errors import RequestError
+from .memory import WEIGHTS, MemoryOccupation, MemoryStateError
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class WeightEndpoints:
     """Mixed into ``EngineServer``: needs scheduler, loader, checker, groups, rules, _call, _body."""
 
     rules: SGLangRules
+    memory: MemoryOccupation
     update_open: bool
     groups: dict[str, T.WeightUpdateGroup]
 
@@ -128,6 +130,10 @@ class WeightEndpoints:
         new = body.get("weight_version")
 
         def load():
+            if WEIGHTS in self.memory.released:
+                # Their storage is freed (SGLang would write into unmapped memory).
+                raise MemoryStateError("the weights' memory is released: call /resume_memory_occupation "
+                                       "with tags ['weights'] before updating them")
             n, skipped = self.loader.load(named_tensors_fn())
             self.num_updates += 1
             self.weight_version = str(new) if new is not None else str(self.num_updates)
@@ -155,14 +161,33 @@ class WeightEndpoints:
         return _json({"success": ok, "message": msg, "num_paused_requests": 0}, 200 if ok else 400)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's body: ``serialized_named_tensors`` holds one MultiprocessingSerializer
+        payload per engine TP rank (this engine has one rank, so exactly one entry: a list of
+        another length means the sender mapped its ranks to another engine layout, refused
+        here though SGLang would read entry tp_rank and ignore the rest). ``load_format``
+        ``"flattened_bucket"`` carries {flattened_tensor, metadata}, None or ``"direct"``
+        a list of (name, tensor). The shared tensors are opened, copied into the model, and
+        dropped before the reply, so the sender may free them once it has it."""
         body = await self._body(request)
         if (refused := self._outside_begin_end("update_weights_from_tensor")) is not None:
             return refused
+        payloads, fmt = body.get("serialized_named_tensors"), body.get("load_format")
+        if not isinstance(payloads, list) or len(payloads) != 1:
+            n = len(payloads) if isinstance(payloads, list) else payloads
+            return _json({"success": False, "message": "serialized_named_tensors must hold one payload per TP rank "
+                          f"of this engine (tp_size=1), got {n!r}"}, 400)
+        if fmt not in (None, "direct", T.LOAD_FORMAT_BUCKET):
+            return _json({"success": False, "message": f"Unknown load_format={fmt}"}, 400)
         try:
-            tensors = [nt for s in body["serialized_named_tensors"] for nt in T.decode_named_tensors(s)]
+            obj = await asyncio.to_thread(T.deserialize_payload, payloads[0])
+            tensors = (T.reconstruct_bucket(obj) if fmt == T.LOAD_FORMAT_BUCKET
+                       else [(str(n), t) for n, t in obj])
         except Exception as exc:
-            return _json({"success": False, "message": f"cannot decode serialized_named_tensors: {exc}"}, 400)
-        ok, msg = await self._apply(lambda: tensors, body, "update_weights_from_tensor")
+            return _json({"success": False, "message": f"cannot deserialize serialized_named_tensors: {exc}"}, 400)
+        try:
+            ok, msg = await self._apply(lambda: tensors, body, "update_weights_from_tensor")
+        finally:
+            del obj, tensors  # close the shared-memory files before answering
         return _json({"success": ok, "message": msg}, 200 if ok else 400)
 
     # ---- the weight-update group ----------------------------------------------------------
