@@ -70,6 +70,14 @@ class GradeResult:
     ignored: list[str] = field(default_factory=list)
     """Paths of the policy's change not graded: test support, always from the pristine source."""
 
+    def __post_init__(self) -> None:
+        # Paths come from the policy's file names, which need not be UTF-8 (a lone surrogate
+        # from os.fsdecode): escaped here, so that the grade's metadata always encodes.
+        self.reason = printable(self.reason)
+        self.ignored = [printable(p) for p in self.ignored]
+        self.flags = [printable(f) for f in self.flags]
+        self.output = printable(self.output)
+
     def metadata(self) -> dict[str, Any]:
         """What the rollout carries: ``tests_passed`` is what the judge's tests_pass reads."""
         counts = {k: sum(v == k for v in self.tests.values()) for k in ("passed", "failed", "error", "skipped",
@@ -78,6 +86,12 @@ class GradeResult:
                 "tests": {"reason": self.reason, "counts": counts, "results": self.tests,
                           "flags": self.flags[:20], "ignored": self.ignored[:50],
                           "output": self.output[-OUTPUT_CHARS:]}}
+
+
+def printable(text: str) -> str:
+    """``text`` with every character UTF-8 cannot encode (lone surrogates) written as its
+    ``\\udcXX`` escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def is_test_support(rel: str, extra: frozenset[str] = frozenset()) -> bool:
@@ -235,13 +249,16 @@ class Grader:
 
 
 def _drain(fd: int) -> bytes | None:
-    """Everything written to the evidence pipe, or None past its bound."""
-    out = bytearray()
+    """Everything written to the evidence pipe, or None past its bound. Past the bound the
+    pipe is still read to its end (and dropped), so a writer that floods it never blocks on a
+    full pipe: the sandbox ends when its tests do, not at the wall-clock limit."""
+    out: bytearray | None = bytearray()
     while chunk := os.read(fd, 1 << 16):
-        out += chunk
-        if len(out) > MAX_EVIDENCE_BYTES:
-            return None
-    return bytes(out)
+        if out is not None:
+            out += chunk
+            if len(out) > MAX_EVIDENCE_BYTES:
+                out = None
+    return None if out is None else bytes(out)
 
 
 def verdict(task: Task, data: bytes | None, nonce: str, canaries: list, output: str,
@@ -264,11 +281,16 @@ def verdict(task: Task, data: bytes | None, nonce: str, canaries: list, output: 
             rec = json.loads(body)
         except json.JSONDecodeError:
             return fail("the evidence holds a malformed record")
+        # The runner writes objects with these keys; anything else was written by someone else
+        # holding the nonce, and is refused like a forged record (never a grader crash).
+        if type(rec) is not dict or (rec.get("t") == "result" and not all(
+                type(rec.get(k)) is str for k in ("id", "when", "outcome"))):
+            return fail("the evidence holds a malformed record")
         t = rec.get("t")
         if t == "flag":
             flags.append(str(rec.get("reason")))
         elif t == "result":
-            phases.setdefault(str(rec["id"]), {})[str(rec["when"])] = str(rec["outcome"])
+            phases.setdefault(rec["id"], {})[rec["when"]] = rec["outcome"]
         elif t == "done":
             done = True
         elif t == "stopped":

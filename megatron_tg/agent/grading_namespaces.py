@@ -23,6 +23,7 @@ import sys
 import types
 
 ROOT_NAMES = ("pytest", "_pytest", "pluggy")
+RUNNER_PREFIX = "tg_runner_"  # the runner's sibling modules, as run.py registers them
 WATCHED_STDLIB = frozenset({"os", "posixpath", "json", "json.encoder", "ast", "threading", "subprocess",
                             "_posixsubprocess"})
 # Rebound by pytest itself during a run (its state, not code).
@@ -45,8 +46,12 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
     # later could be the address of a new object put where a freed original was.
     def snapshot():
         out = []
+        # The runner's own modules too (``__main__`` and its siblings): their code looks its
+        # builtins and helpers up by name when it writes a record, so a name put into their
+        # globals (a ``str`` that answers "passed") would change what they write.
         mods = [builtins] + [m for n, m in list(sys.modules.items())
-                             if m is not None and (n.split(".")[0] in ROOT_NAMES or n in WATCHED_STDLIB)]
+                             if m is not None and (n.split(".")[0] in ROOT_NAMES or n in WATCHED_STDLIB
+                                                   or n == "__main__" or n.startswith(RUNNER_PREFIX))]
         for m in mods:
             d = getattr(m, "__dict__", None)
             if d is None:
@@ -292,4 +297,4 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
                                  collected=collected, item_problems=item_problems)
 
 
-__all__ = ["ROOT_NAMES", "VOLATILE", "VOLATILE_ANYWHERE", "WATCHED_STDLIB", "build"]
+__all__ = ["ROOT_NAMES", "RUNNER_PREFIX", "VOLATILE", "VOLATILE_ANYWHERE", "WATCHED_STDLIB", "build"]

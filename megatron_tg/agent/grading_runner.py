@@ -60,6 +60,7 @@ def _sibling(name: str):
     spec = importlib.util.spec_from_file_location(f"tg_runner_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    sys.modules[spec.name] = mod  # so that its namespace is watched like __main__'s
     return mod
 
 

@@ -8,6 +8,7 @@ grader (the earlier one passed every attack marked ``passed_before``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import stat
@@ -27,6 +28,7 @@ from megatron_tg.agent.tools import Tools
 from .conftest import NOBODY, REPO
 from .hostile_review2 import REVIEW2, REVIEW2_LEFT_OPEN, marshal_plugin, sourceless_pyc
 from .hostile_review3 import MEND_PROBES, REVIEW3
+from .hostile_review4 import ATTACKS as REVIEW4
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
 # ---------------------------------------------------------------- in-process tampering
@@ -477,3 +479,78 @@ def test_the_sandbox_runs_the_runner_files_of_this_package(grader):
                 fail_to_pass=["tests/test_runner_files.py::test_files"])
     g = grade(grader, {}, task=task)
     assert g.passed, (g.reason, g.flags, g.output[-2000:])
+
+
+def _marked_processes() -> set[int]:
+    """Live processes carrying the fourth review's marker (a daemon it tried to leave)."""
+    out = set()
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                st = f.read()
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{p}/comm", "rb") as f:
+                cmd += f.read()
+        except OSError:
+            continue
+        if b"tgrv4" in cmd and st.split("State:")[1].split()[0] not in ("Z", "X"):
+            out.add(int(p))
+    return out
+
+
+@pytest.mark.parametrize("name", list(REVIEW4))
+def test_the_fourth_review_s_solutions_are_graded_fail(grader, name, tmp_path):
+    """Each is graded FAIL: none implements ``add``, except a host write and a tree nested too
+    deep (both refused), and a file name that is not UTF-8 beside a correct ``add`` (whose
+    attack was on what carries the grade: it passes, and its name is escaped). The grade's
+    metadata encodes as the rollout wire sends it (JSON, UTF-8), no host file changes, and no
+    marked process outlives the grade."""
+    spec = REVIEW4[name]
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "victim").write_text("VICTIM\n")
+    os.chmod(host, 0o755)
+    os.chmod(host / "victim", 0o666)
+    ws = tempfile.mkdtemp(prefix="tg-test-review4-")
+    try:
+        materialize(TASK, ws)
+        write_files(ws, spec["files"])
+        grader.sandbox.adopt(ws, ws)
+        if spec["setup"]:
+            spec["setup"](ws, grader.sandbox, str(host))
+        before = _marked_processes()
+        g = asyncio.run(grader.grade(TASK, ws))
+    finally:
+        rmtree(ws)
+    assert g.passed is (name == "non-utf8-name-in-metadata"), (name, g.reason, g.flags, g.output[-2000:])
+    json.dumps(g.metadata(), ensure_ascii=False).encode()  # raises on what the wire cannot send
+    assert sorted(p.name for p in host.iterdir()) == ["victim"] and (host / "victim").read_text() == "VICTIM\n"
+    if spec["host_check"]:
+        assert spec["host_check"](ws, str(host)) is None
+    deadline = time.monotonic() + 5
+    while (left := _marked_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left after grading: {left}"
+
+
+@pytest.mark.parametrize("body", ['[1, 2]', '{"t": "result"}', '{"t": "result", "id": {"x": 1}, "when": null, "outcome": [1]}',
+                                  '"passed"', '{"t": "result", "id": "a", "when": "call", "outcome": 5}'])
+def test_records_of_another_shape_are_a_fail_not_a_grader_error(body):
+    """Records with the nonce that the runner would never write (a list, a result without its
+    keys or with other types) are refused as forged; before, the first raised in the verdict."""
+    from megatron_tg.agent.grading import verdict
+
+    nonce = "n" * 32
+    g = verdict(TASK, f"{nonce} {body}\n".encode(), nonce, [], "", [])
+    assert not g.passed and g.reason == "the evidence holds a malformed record"
+
+
+def test_a_grade_s_text_always_encodes():
+    """Names from the policy's files can hold lone surrogates (os.fsdecode of non-UTF-8 bytes);
+    the grade escapes them, so the rollout's metadata encodes as UTF-8."""
+    from megatron_tg.agent.grading import GradeResult
+
+    g = GradeResult(False, {}, "not graded: tests/\udcff.py", "out \udcfe", ["flag \udcfd"], ["tests/\udcff.py"])
+    json.dumps(g.metadata(), ensure_ascii=False).encode()
+    assert g.ignored == ["tests/\\udcff.py"] and g.reason.endswith("tests/\\udcff.py")
