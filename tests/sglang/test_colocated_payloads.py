@@ -145,5 +145,11 @@ def test_the_engines_reader_reads_sglangs_own_serialisation_bit_exact():
         assert [(n, t.dtype, digest(t)) for n, t in got] == [(n, t.dtype, digest(t)) for n, t in want]
         del got
     finally:
-        writer.communicate("", timeout=60)
+        # Not communicate(): the writer's shared-memory manager (torch_shm_manager, started for
+        # the file_system strategy) inherits its stdout and stderr and outlives it a while, so
+        # the pipes do not reach EOF when the writer exits.
+        writer.stdin.close()
+        writer.wait(timeout=60)
+        writer.stdout.close()
+        writer.stderr.close()
     assert writer.returncode == 0
