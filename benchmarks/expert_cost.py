@@ -157,7 +157,7 @@ def main() -> None:
     from megatron_tg.chat.builder import simulate_rollout
     from megatron_tg.chat.framing import feedback_message_ids
     from megatron_tg.testing.distributed import run_distributed
-    from megatron_tg.train.batching import TrainSample
+    from megatron_tg.sampling.train_sample import TrainSample
     from tests.chat.convos import SEARCH_TOOL
     from tests.models.qwen3_moe.common import tiny_hf_model
 

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from megatron_tg.testing.distributed import run_distributed
-    from megatron_tg.train.batching import TrainSample
+    from megatron_tg.sampling.train_sample import TrainSample
     from tests.train.common import make_samples, tiny_policy
 
     tok, cfg, state = tiny_policy()

@@ -29,7 +29,7 @@ tokens). Only gated rows reach the output layer (fused op), never the whole sequ
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -38,32 +38,9 @@ from megatron_tg.chat.framing import build_expert_sequences
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.objectives.guidance import build_gate
 from megatron_tg.rollout.types import Rollout
-from megatron_tg.sampling.hinted import HintedTurn, hinted_rollout
+from megatron_tg.sampling.hinted import hinted_rollout
+from megatron_tg.sampling.train_sample import TrainSample
 from megatron_tg.train.prefix_kv import PrefixPlan, build_prefix_plan
-
-
-@dataclass
-class TrainSample:
-    """One judged rollout, ready to train on."""
-
-    rollout: Rollout
-    advantage: float
-    feedback_by_turn: dict[int, str] = field(default_factory=dict)
-    """Assistant-turn index -> feedback text: the turns that get an expert (and a KL gate)."""
-    reward: float | None = None
-    """The scalar reward the advantage was computed from (for the per-sample records)."""
-    hinted: list[HintedTurn] = field(default_factory=list)
-    """Samples of failing turns drawn with their feedback in context (``objective.hinted_samples``,
-    :mod:`megatron_tg.sampling.hinted`): KL-only sequences of this rollout."""
-
-    @property
-    def num_tokens(self) -> int:
-        """Student tokens this sample packs: the rollout and its hinted sequences."""
-        n = len(self.rollout.token_ids)
-        if self.hinted:
-            starts = [seg.start for seg in self.rollout.assistant_turns()]
-            n += sum(starts[h.turn] + len(h.token_ids) for h in self.hinted)
-        return n
 
 
 @dataclass

@@ -34,7 +34,8 @@ from typing import Any, Iterable, Protocol, Sequence
 import torch
 
 from megatron_tg.rollout.types import Rollout
-from megatron_tg.train.batching import MicroBatch, TrainSample
+from megatron_tg.sampling.train_sample import TrainSample
+from megatron_tg.train.batching import MicroBatch
 
 _NAME = re.compile(r"^step_(\d+)\.jsonl(\.gz)?$")
 

@@ -28,7 +28,8 @@ from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
 from megatron_tg.objectives import TGObjective
 from megatron_tg.parallel.dims import Axis
 from megatron_tg.parallel.state import LaunchEnv, init_parallel
-from megatron_tg.train.batching import TrainSample, build_micro_batch
+from megatron_tg.sampling.train_sample import TrainSample
+from megatron_tg.train.batching import build_micro_batch
 from megatron_tg.train.checkpoint import Checkpointer
 from megatron_tg.train.ema import ShardedEMA
 from megatron_tg.train.ema_gather import GatheredEMA

@@ -28,7 +28,8 @@ from megatron_tg.objectives.batch import PolicyBatch
 from megatron_tg.objectives.grpo import policy_gradient_term
 from megatron_tg.objectives.guidance import gated_kl_term
 from megatron_tg.sampling.hinted import HintedTurn, hinted_rollout
-from megatron_tg.train.batching import TrainSample, build_micro_batch
+from megatron_tg.sampling.train_sample import TrainSample
+from megatron_tg.train.batching import build_micro_batch
 from tests.chat.convos import SEARCH_TOOL, call, conversation
 
 FB = "Use the lines= argument of the search tool."

@@ -9,7 +9,7 @@ from megatron_tg.chat import get_tiny_tokenizer
 from megatron_tg.chat.builder import simulate_rollout
 from megatron_tg.models.qwen3_moe import Qwen3Arch
 from megatron_tg.rollout.routed_experts import RoutedExperts
-from megatron_tg.train.batching import TrainSample
+from megatron_tg.sampling.train_sample import TrainSample
 from tests.chat.convos import SEARCH_TOOL, conversation
 from tests.models.qwen3_moe.common import tiny_hf_model
 

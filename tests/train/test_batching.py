@@ -25,7 +25,8 @@ import torch
 from megatron_tg.chat.builder import simulate_rollout
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.testing.distributed import run_distributed
-from megatron_tg.train.batching import TrainSample, build_micro_batch, pack
+from megatron_tg.sampling.train_sample import TrainSample
+from megatron_tg.train.batching import build_micro_batch, pack
 from tests.chat.convos import SEARCH_TOOL, conversation
 from tests.train.common import tiny_policy
 

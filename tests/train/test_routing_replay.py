@@ -22,7 +22,7 @@ from megatron_tg.rollout.engine.routing import decode_routed_experts
 from megatron_tg.rollout.routed_experts import RoutedExpertsBuilder
 from megatron_tg.rollout.types import Rollout, Segment
 from megatron_tg.testing.distributed import run_distributed
-from megatron_tg.train.batching import TrainSample
+from megatron_tg.sampling.train_sample import TrainSample
 
 
 

@@ -14,7 +14,7 @@ from megatron_tg.chat import get_tiny_tokenizer
 from megatron_tg.chat.builder import simulate_rollout
 from megatron_tg.config.train import LoggingConfig
 from megatron_tg.judge.judge import CriterionResult, JudgeResult
-from megatron_tg.train.batching import TrainSample
+from megatron_tg.sampling.train_sample import TrainSample
 from megatron_tg.train.samples import (SampleRecorder, TurnStatsAccumulator, main, read_samples,
                                        steps_recorded)
 from tests.chat.convos import SEARCH_TOOL, conversation
