@@ -123,7 +123,7 @@ def _rank(rank, world, state, hf_cfg, tok_dir, cases, row_tokens, repeats):
         real = int(sum(_seq_lens(mb.expert)))
         rows.append(dict(case=name, mode=mode, seqs=seqs, real=real,
                          rows=mb.expert.tokens.shape[0], width=mb.expert.tokens.shape[1],
-                         gated=int(mb.gate.sum()), wall=w, cpu=c))
+                         gated=int(mb.policy.gate.sum()), wall=w, cpu=c))
     return rows
 
 

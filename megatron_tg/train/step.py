@@ -42,7 +42,7 @@ from typing import ContextManager, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_tg.objectives import LossOutput, PolicyBatch, TGObjective, select_rows
+from megatron_tg.objectives import LossOutput, TGObjective, select_rows
 from megatron_tg.train.batching import MicroBatch, PackedRows
 from megatron_tg.train.pass_plan import ExpertPass, PassPlan, build_pass_plan, has_expert
 from megatron_tg.train.policy import HiddenOutput, forward_hidden, unwrap
@@ -94,8 +94,8 @@ def _replay(model: torch.nn.Module, mb: MicroBatch):
 
 def _padding(mb: MicroBatch) -> MicroBatch:
     """A zero-weight stand-in: the micro-batch's student rows without its expert part."""
-    return replace(mb, expert=None, expert_rows=mb.expert_rows[:0],
-                   gate=torch.zeros_like(mb.gate), expert_prefix=None)
+    return replace(mb, expert=None, expert_rows=mb.expert_rows[:0], expert_prefix=None,
+                   policy=replace(mb.policy, gate=torch.zeros_like(mb.policy.gate)))
 
 
 def _schedule(model, step_fn, items: list, *, forward_only: bool,
@@ -214,10 +214,8 @@ def run_step(model: torch.nn.Module, objective: TGObjective, batches: Sequence[M
         eh, ew = expert if expert is not None else (None, None)
         if eh is not None and eh.device != output_tensor.device:  # parked by the expert pass
             eh = eh.to(output_tensor.device, non_blocking=True)
-        batch = PolicyBatch(
-            target_ids=mb.target_ids, behaviour_logprobs=mb.behaviour_logprobs,
-            loss_mask=mb.loss_mask, rollout_index=mb.rollout_index, advantages=mb.advantages,
-            gate=mb.gate, pg_mask=mb.pg_mask, hidden=select_rows(output_tensor, mb.rows),
+        batch = replace(
+            mb.policy, hidden=select_rows(output_tensor, mb.rows),
             output_weight=student.output_weight, expert_hidden=eh,
             # The shared-weight expert uses the student's (live, detached) weight in the op.
             expert_output_weight=ew if expert_model is not None else None, **totals)

@@ -222,9 +222,9 @@ class Trainer:
                                      routing_replay=self.routing_replay) for group in micro]
         # Step totals: every micro-batch normalises by the whole step, not by itself.
         totals = dict(num_rollouts=len(samples),
-                      num_assistant_tokens=float(sum(int(mb.loss_mask.sum() if mb.pg_mask is None
-                                                         else mb.pg_mask.sum()) for mb in batches)),
-                      num_gated_tokens=float(sum(float(mb.gate.sum()) for mb in batches)))
+                      num_assistant_tokens=float(sum(int(mb.policy.policy_mask().sum())
+                                                     for mb in batches)),
+                      num_gated_tokens=float(sum(float(mb.policy.gate.sum()) for mb in batches)))
         turn_stats = TurnStatsAccumulator() if self.cfg.logging.samples_per_step else None
         # Which passes run per micro-batch on every rank (EP lock-step, padding): decided once.
         plan = build_pass_plan(batches, ep=self.ctx.dims.ep)

@@ -103,13 +103,13 @@ def test_turn_stats_from_a_micro_batch(judged):
     tok, pairs, samples = judged
     mb = build_micro_batch(samples, tok, ObjectiveConfig(), row_tokens=4096)
     n = mb.rows.numel()
-    kl = torch.where(mb.gate > 0, torch.full((n,), 0.5), torch.zeros(n))
+    kl = torch.where(mb.policy.gate > 0, torch.full((n,), 0.5), torch.zeros(n))
     acc = TurnStatsAccumulator()
     acc.add(mb, samples, {"kl": kl, "is_weight": torch.full((n,), 2.0)})
     stats = acc.result()
     seg = samples[0].rollout.assistant_turns()[0]
     assert stats["r0"][0]["loss_tokens"] == seg.end - seg.start  # every generated token
-    assert stats["r0"][0]["gated_tokens"] == float((mb.gate > 0).sum()) > 0
+    assert stats["r0"][0]["gated_tokens"] == float((mb.policy.gate > 0).sum()) > 0
     assert stats["r0"][0]["kl_mean"] == 0.5 and stats["r0"][0]["is_weight_mean"] == 2.0
     assert stats["r0"][1]["gated_tokens"] == 0 and stats["r0"][1]["kl_mean"] is None
     assert all(t["gated_tokens"] == 0 for t in stats["r1"].values())
