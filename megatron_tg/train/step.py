@@ -10,8 +10,9 @@ under pipeline parallelism, ``forward_backward_no_pipelining`` at PP = 1 — twi
    separate expert's output weight); every other activation is freed before step 2. Dummy
    passes (expert-parallel lock-step) forward the student rows and keep nothing. The step's
    kept states are parked in pinned host memory on GPU (:func:`park`) and each micro-batch's
-   come back at its loss: at 235B they would otherwise hold up to 32 GiB of the GPU for the
-   whole step (``megatron-tg memory``: ``expert_states`` and the host note).
+   come back at its loss: at paper scale they would otherwise hold tens of GiB of the GPU
+   for the whole step (``megatron-tg memory``: ``expert_states`` and the host note;
+   docs/memory-plan.md per recipe).
 2. **Student pass** (forward-backward schedule) over every micro-batch of the plan; the
    loss is computed on the last stage from the student's hidden states and the kept
    expert states. Padding micro-batches have loss weight 0.

@@ -159,10 +159,9 @@ class Trainer:
         never trained by the optimizer: "frozen" keeps them, "ema" tracks the policy.
 
         Memory: one more copy of this rank's parameter shard (no gradients, no optimizer
-        state). Qwen3-Coder-30B-A3B under recipes/tg_30b.yaml (TP=2, EP=8, ETP=1): 4.40B
-        parameters per rank, +8.2 GiB in bf16 per GPU (from ``megatron-tg describe``). The
-        "ema" expert adds its fp32 average, sharded over DP like the optimizer's main
-        parameters (:mod:`megatron_tg.train.ema`): 4 B per parameter / DP size.
+        state; ``megatron-tg describe`` prints the shard, docs/memory-plan.md has it per
+        recipe). The "ema" expert adds its fp32 average, sharded over DP like the optimizer's
+        main parameters (:mod:`megatron_tg.train.ema`): 4 B per parameter / DP size.
         """
         kind = self.cfg.objective.expert
         if kind == "shared":
