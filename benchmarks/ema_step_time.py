@@ -91,8 +91,8 @@ def _rank_fn(rank, world, state, hf_cfg, samples, tok_dir, reps, micro):
             if name != "ema_replicated":
                 weights = GatheredEMA(ema, expert, "step" if name.endswith("step") else "layer")
         totals = dict(num_rollouts=float(len(local)),
-                      num_assistant_tokens=float(sum(int(m.loss_mask.sum()) for m in mbs)),
-                      num_gated_tokens=float(sum(float(m.gate.sum()) for m in mbs)))
+                      num_assistant_tokens=float(sum(int(m.policy.loss_mask.sum()) for m in mbs)),
+                      num_gated_tokens=float(sum(float(m.policy.gate.sum()) for m in mbs)))
         setups[name] = (TGObjective(cfg), mbs, expert, ema, weights, totals)
 
     times = {m: [] for m in VARIANTS}

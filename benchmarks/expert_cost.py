@@ -123,7 +123,7 @@ def _rank(rank, world, state, hf_cfg, tok_dir, cases, row_tokens, repeats):
         real = int(sum(_seq_lens(mb.expert)))
         rows.append(dict(case=name, mode=mode, seqs=seqs, real=real,
                          rows=mb.expert.tokens.shape[0], width=mb.expert.tokens.shape[1],
-                         gated=int(mb.gate.sum()), wall=w, cpu=c))
+                         gated=int(mb.policy.gate.sum()), wall=w, cpu=c))
     return rows
 
 
@@ -157,7 +157,7 @@ def main() -> None:
     from megatron_tg.chat.builder import simulate_rollout
     from megatron_tg.chat.framing import feedback_message_ids
     from megatron_tg.testing.distributed import run_distributed
-    from megatron_tg.train.batching import TrainSample
+    from megatron_tg.sampling.train_sample import TrainSample
     from tests.chat.convos import SEARCH_TOOL
     from tests.models.qwen3_moe.common import tiny_hf_model
 

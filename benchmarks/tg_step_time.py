@@ -86,7 +86,7 @@ def _rank_fn(rank, world, state, hf_cfg, samples, tok_dir, reps):
     return {"times": times, "passes": passes, "student_tokens": int(tg_mb.student.tokens.numel()),
             "expert_tokens": int(tg_mb.expert.tokens.numel()) if tg_mb.expert else 0,
             "naive_expert_tokens": int(naive_mb.expert.tokens.numel()) if naive_mb.expert else 0,
-            "gated_rows": int(tg_mb.gate.sum()), "loss_rows": int(tg_mb.rows.numel())}
+            "gated_rows": int(tg_mb.policy.gate.sum()), "loss_rows": int(tg_mb.rows.numel())}
 
 
 def main(argv=None) -> int:
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from megatron_tg.testing.distributed import run_distributed
-    from megatron_tg.train.batching import TrainSample
+    from megatron_tg.sampling.train_sample import TrainSample
     from tests.train.common import make_samples, tiny_policy
 
     tok, cfg, state = tiny_policy()

@@ -173,11 +173,11 @@ class ObjectiveConfig:
     ema_weights: str = "replicated"
     """How the EMA expert's forward gets its weights (expert == "ema" only): "replicated" =
     a persistent copy of the rank's parameter shard in the model dtype, refreshed from the
-    fp32 average after every update (+2 B / param per GPU for the whole run: 8.2 GiB at
-    tg_30b); "gathered" = no copy: each layer's weights are all-gathered from the
-    DP-sharded fp32 average just before the expert pass runs it and freed after
-    (:mod:`megatron_tg.train.ema_gather`; the same values, bit for bit). The GPU recipes
-    set "gathered": their EMA expert fits 80 GB only so (``megatron-tg memory``)."""
+    fp32 average after every update (+2 B / param per GPU for the whole run;
+    docs/memory-plan.md has it per recipe); "gathered" = no copy: each layer's weights are
+    all-gathered from the DP-sharded fp32 average just before the expert pass runs it and
+    freed after (:mod:`megatron_tg.train.ema_gather`; the same values, bit for bit). The GPU
+    recipes set "gathered": their EMA expert fits 80 GB only so (``megatron-tg memory``)."""
 
     ema_placement: str = "device"
     """Where the EMA's fp32 shard lives: "device" (GPU memory, 4 B / param / DP) or "host"

@@ -9,8 +9,8 @@ Design:
   tensors it needs (sliced reads copied from the file's memory map straight into the
   parameters, one at a time, :mod:`.slicing`), and call
   ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` together. Peak memory per
-  worker is its shard plus megatron's save-time copies (~0.55 x the shard, measured in
-  benchmarks/README.md), not the model.
+  worker is its shard plus megatron's save-time copies (a fraction of the shard, measured
+  in benchmarks/README.md), not the model.
 - torch_dist stores every tensor with its *global* shape and offsets, so megatron reshards
   on load: the checkpoint loads at any TP/EP/PP, whatever layout wrote it.
 - Output goes to a temporary sibling dir renamed into place at the end (:mod:`.outdir`),

@@ -91,13 +91,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}")
     return 0
 
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-tg eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,24 +1,24 @@
 """The loss's input: one packed micro-batch, flattened to the positions that carry a loss.
 
-Layout. Megatron's output layer (ColumnParallelLinear, ``parallel_output=True``) produces
-sequence-first logits ``[S, B, Vs]`` (Vs = padded vocabulary / TP) from hidden states
-``[S, B, H]``; ``GPTModel.forward(labels=None)`` returns them transposed to ``[B, S, Vs]``.
-Position s predicts the token at s+1. The loss only needs rows whose *predicted* token is an
-assistant token (thinking or tool call); those N rows are selected once, flattening the first
-two dims in whatever layout the tensor has (row i·D1 + j of a ``[D0, D1, *]`` tensor; for a
-contiguous tensor that reshape is a view, so selecting rows is one gather). The mask must be
-in the same layout as the tensor:
+Layout. The loss never sees logits: it takes the hidden states ``[N, H]`` that enter the
+output layer at the loss rows and this TP rank's output-weight shard ``[Vs, H]`` (Vs = padded
+vocabulary / TP), and the fused vocab-parallel ops compute the logits chunk by chunk. Position
+s predicts the token at s+1. The loss only needs rows whose *predicted* token is an assistant
+token (thinking or tool call); those N rows are selected once, flattening the first two dims
+in whatever layout the tensor has (row i·D1 + j of a ``[D0, D1, *]`` tensor; for a contiguous
+tensor that reshape is a view, so selecting rows is one gather). The mask must be in the same
+layout as the tensor:
 
     rows = flat_positions(predicts_assistant_mask)   # [N] long, from a [S, B] (or [B, S]) mask
-    logits = select_rows(logits_sbv, rows)            # [N, Vs]  (or hidden [N, H])
+    hidden = select_rows(hidden_sbh, rows)            # [N, H]
     target_ids = select_rows(next_tokens, rows)       # [N]: the token each position predicts
 
 Every per-token field below is indexed by those N rows. Rollouts are numbered 0..R-1 within
 the micro-batch; ``rollout_index`` maps a row to its rollout, ``advantages`` is per rollout.
 
 Expert. The expert is needed only where ``gate > 0``: ``gate_index`` lists those G rows (in
-increasing order) and ``expert_logits`` holds the expert's logits at them, compacted to
-``[G, Vs]`` (or ``expert_hidden [G, H]`` for the fused path). The expert sequence differs from
+increasing order) and ``expert_hidden`` holds the expert's output-layer input at them,
+compacted to ``[G, H]``. The expert sequence differs from
 the student's (feedback inserted), so the trainer maps each gated student row to the expert
 position predicting the same token; that mapping is the trainer's, not the loss's.
 
@@ -64,19 +64,16 @@ class PolicyBatch:
     gate: torch.Tensor
     """[N] float: 1 where the KL applies (``guidance.build_gate``), else 0."""
 
-    logits: Optional[torch.Tensor] = None
-    """[N, Vs]: student logits, this TP rank's vocabulary shard. Either this or ``hidden``."""
     hidden: Optional[torch.Tensor] = None
-    """[N, H]: student output-layer input (fused path; the logits are never materialised)."""
+    """[N, H]: student output-layer input (the logits are never materialised). None until the
+    step's forward pass: the micro-batch builder makes the rest of the batch before it."""
     output_weight: Optional[torch.Tensor] = None
-    """[Vs, H]: output-layer weight shard (fused path)."""
+    """[Vs, H]: output-layer weight shard, this TP rank's vocabulary shard."""
 
     gate_index: Optional[torch.Tensor] = None
     """[G] long: rows with gate > 0, increasing. Derived from ``gate`` when None."""
-    expert_logits: Optional[torch.Tensor] = None
-    """[G, Vs]: expert logits at ``gate_index`` (stop-gradient)."""
     expert_hidden: Optional[torch.Tensor] = None
-    """[G, H]: expert output-layer input at ``gate_index`` (fused path, stop-gradient)."""
+    """[G, H]: expert output-layer input at ``gate_index`` (stop-gradient)."""
     expert_output_weight: Optional[torch.Tensor] = None
     """[Vs, H]: the expert's output weight when it is not the student's (frozen/EMA expert)."""
 
@@ -124,12 +121,11 @@ class PolicyBatch:
                 raise ValueError(f"PolicyBatch.{name} must be [{n}], got {tuple(t.shape)}")
         if self.old_logprobs is not None and self.old_logprobs.shape != (n,):
             raise ValueError(f"PolicyBatch.old_logprobs must be [{n}], got {tuple(self.old_logprobs.shape)}")
-        if (self.logits is None) == (self.hidden is None):
-            raise ValueError("PolicyBatch needs exactly one of logits or hidden")
-        if self.hidden is not None and self.output_weight is None:
+        if self.hidden is None:
+            raise ValueError("PolicyBatch needs the student's hidden states")
+        if self.output_weight is None:
             raise ValueError("PolicyBatch.hidden needs output_weight")
-        rows = self.logits if self.logits is not None else self.hidden
-        if rows.shape[0] != n:
-            raise ValueError(f"PolicyBatch student rows {rows.shape[0]} != target_ids {n}")
+        if self.hidden.shape[0] != n:
+            raise ValueError(f"PolicyBatch student rows {self.hidden.shape[0]} != target_ids {n}")
         if self.advantages.ndim != 1:
             raise ValueError(f"PolicyBatch.advantages must be [R], got {tuple(self.advantages.shape)}")

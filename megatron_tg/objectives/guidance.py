@@ -4,12 +4,11 @@ Math contract (paper §4, eq. for L(θ)):
 
 * Estimator: per assistant token t, the exact full-vocabulary divergence
   D_t = D(π_θ(·|s_t), sg π_e(·|s_t, f)) computed on the sharded vocabulary
-  (:func:`megatron_tg.ops.vocab_parallel_kl`), D = KL(π_θ ‖ π_e) ("reverse", the paper's),
+  (:func:`megatron_tg.ops.fused_vocab_parallel_kl_loss`), D = KL(π_θ ‖ π_e) ("reverse", the paper's),
   KL(π_e ‖ π_θ) ("forward") or the β-JSD ("jsd"); ``kl_direction``. No sampling estimator.
   The expert is stop-gradient: its logits are detached and receive no gradient. The loss is
-  written as Σ_t w_t D_t with weights from :func:`kl_token_weights`; on the fused path
-  (hidden states) :func:`megatron_tg.ops.fused_vocab_parallel_kl_loss` folds w into its
-  gradient and never materialises logits.
+  written as Σ_t w_t D_t with weights from :func:`kl_token_weights`; the fused op works from
+  the hidden states, folds w into its gradient and never materialises logits.
 * Gate g_t ∈ {0, 1} (:func:`build_gate`): 1 on assistant tokens of turns that failed ≥1
   criterion (mode "tg"); of every assistant turn ("always_on", "opsd"); thinking tokens get
   0 unless thinking is distilled (``distill_thinking`` and mode != "no_thinking").
@@ -38,7 +37,7 @@ from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.objectives.batch import PolicyBatch
 from megatron_tg.objectives.grpo import per_rollout_sum
 from megatron_tg.objectives.modes import mode_switches
-from megatron_tg.ops import fused_vocab_parallel_kl_loss, vocab_parallel_kl
+from megatron_tg.ops import fused_vocab_parallel_kl_loss
 
 
 def build_gate(loss_mask: torch.Tensor, failed_turn_mask: torch.Tensor,
@@ -127,8 +126,7 @@ def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist
     ``rows``, when given, receives ``kl`` [N]: the divergence of each gated row (0 elsewhere),
     detached, for per-turn records."""
     gate_index = batch.resolved_gate_index()
-    student = batch.logits if batch.logits is not None else batch.hidden
-    dtype = torch.promote_types(student.dtype, torch.float32)
+    dtype = torch.promote_types(batch.hidden.dtype, torch.float32)
     own = batch.policy_mask().to(dtype)  # the rollouts' own rows (hinted rows are all gated)
     metrics = {"kl/frac_gated": (batch.gate.to(dtype) * own).sum() / own.sum().clamp(min=1.0)}
     g = gate_index.numel()
@@ -141,22 +139,15 @@ def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist
     kw = dict(vocab_size=batch.vocab_size, direction=cfg.kl_direction, beta=cfg.jsd_beta,
               chunk_size=cfg.logits_chunk_size, diagnostics=diag,
               rescue_threshold=cfg.kl_rescue_threshold)
-    if batch.logits is not None:
-        if batch.expert_logits is None or batch.expert_logits.shape[0] != g:
-            raise ValueError(f"expert_logits must hold the {g} gated rows, got "
-                             f"{None if batch.expert_logits is None else tuple(batch.expert_logits.shape)}")
-        kl = vocab_parallel_kl(batch.logits[gate_index], batch.expert_logits, group, **kw)
-        term = (kl * weights).sum()
-    else:
-        if batch.expert_hidden is None or batch.expert_hidden.shape[0] != g:
-            raise ValueError(f"expert_hidden must hold the {g} gated rows, got "
-                             f"{None if batch.expert_hidden is None else tuple(batch.expert_hidden.shape)}")
-        # Weights are known before the divergence: the fused op computes the gradient in its
-        # forward pass and never recomputes the logits.
-        term, kl = fused_vocab_parallel_kl_loss(
-            batch.hidden[gate_index], batch.expert_hidden, batch.output_weight, weights, group,
-            expert_weight_shard=batch.expert_output_weight, reduce_hidden_grad=reduce_hidden_grad,
-            **kw)
+    if batch.expert_hidden is None or batch.expert_hidden.shape[0] != g:
+        raise ValueError(f"expert_hidden must hold the {g} gated rows, got "
+                         f"{None if batch.expert_hidden is None else tuple(batch.expert_hidden.shape)}")
+    # Weights are known before the divergence: the fused op computes the gradient in its
+    # forward pass and never recomputes the logits.
+    term, kl = fused_vocab_parallel_kl_loss(
+        batch.hidden[gate_index], batch.expert_hidden, batch.output_weight, weights, group,
+        expert_weight_shard=batch.expert_output_weight, reduce_hidden_grad=reduce_hidden_grad,
+        **kw)
 
     with torch.no_grad():
         gate_w = (batch.gate.to(dtype) * batch.loss_mask.to(dtype))[gate_index]

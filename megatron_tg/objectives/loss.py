@@ -17,7 +17,8 @@ Metrics are detached 0-dim tensors (the only host sync is finding the gated rows
 trainer averages them over micro-batches and calls :meth:`TGObjective.end_step` with the
 step's gated-token entropy.
 
-Fused path (``PolicyBatch.hidden``): ``reduce_hidden_grad`` is forwarded to the fused ops —
+The loss reads the student's hidden states and output weight (``PolicyBatch.hidden``) and
+computes the output layer inside the fused ops at the loss rows only; ``reduce_hidden_grad`` is forwarded to the fused ops —
 True when the hidden states are replicated over TP (no sequence parallelism), False when the
 caller gathered them with megatron's ``gather_from_sequence_parallel_region`` (see
 :func:`megatron_tg.ops.fused_vocab_parallel_kl`).
@@ -37,8 +38,7 @@ from megatron_tg.objectives.entropy_guard import EntropyGuard, GuardEvent
 from megatron_tg.objectives.grpo import policy_gradient_term
 from megatron_tg.objectives.guidance import gated_kl_term
 from megatron_tg.objectives.modes import mode_switches
-from megatron_tg.ops import (fused_vocab_parallel_entropy, fused_vocab_parallel_logprob,
-                             vocab_parallel_entropy, vocab_parallel_logprob)
+from megatron_tg.ops import fused_vocab_parallel_entropy, fused_vocab_parallel_logprob
 
 
 @dataclass
@@ -78,8 +78,6 @@ class TGObjective:
 
     def _logprob(self, batch: PolicyBatch) -> torch.Tensor:
         kw = dict(vocab_size=batch.vocab_size, chunk_size=self.cfg.logits_chunk_size)
-        if batch.logits is not None:
-            return vocab_parallel_logprob(batch.logits, batch.target_ids, self.group, **kw)
         return fused_vocab_parallel_logprob(batch.hidden, batch.output_weight, batch.target_ids,
                                             self.group, reduce_hidden_grad=self.reduce_hidden_grad,
                                             **kw)
@@ -87,11 +85,8 @@ class TGObjective:
     @torch.no_grad()
     def _entropy_metrics(self, batch: PolicyBatch) -> dict[str, torch.Tensor]:
         kw = dict(vocab_size=batch.vocab_size, chunk_size=self.cfg.logits_chunk_size)
-        if batch.logits is not None:
-            ent = vocab_parallel_entropy(batch.logits.detach(), self.group, **kw)
-        else:
-            ent = fused_vocab_parallel_entropy(batch.hidden.detach(), batch.output_weight.detach(),
-                                               self.group, **kw)
+        ent = fused_vocab_parallel_entropy(batch.hidden.detach(), batch.output_weight.detach(),
+                                           self.group, **kw)
         mask = batch.policy_mask().to(ent.dtype)  # the policy's own samples only
         gate = batch.gate.to(ent.dtype) * mask
         return {

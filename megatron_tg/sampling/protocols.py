@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # types only: the loop never imports the rollout machinery it
     from megatron_tg.rollout.client import SGLangClient
     from megatron_tg.rollout.types import Rollout
     from megatron_tg.rollout.weight_client import TrainerWeightGroup
-    from megatron_tg.train.batching import TrainSample
+    from megatron_tg.sampling.train_sample import TrainSample
     from megatron_tg.train.trainer import Trainer
 
 T = TypeVar("T")

@@ -45,7 +45,7 @@ from megatron_tg.rollout.client import SGLangClient
 from megatron_tg.rollout.manager import RolloutGroup, RolloutManager
 from megatron_tg.rollout.types import Rollout
 from megatron_tg.sampling.protocols import WeightTarget
-from megatron_tg.train.batching import TrainSample
+from megatron_tg.sampling.train_sample import TrainSample
 from megatron_tg.weight_sync.engine_loss import form_target
 from megatron_tg.weight_sync.sync import SyncStats
 

@@ -12,7 +12,6 @@ from it with ``model.megatron_checkpoint=RUN_DIR/model``.
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,13 +38,3 @@ def run(args: argparse.Namespace) -> int:
               f"{cfg.logging.run_dir}/model (model.megatron_checkpoint=...)", flush=True)
     return 0
 
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-tg sft", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

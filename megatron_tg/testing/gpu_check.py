@@ -300,8 +300,8 @@ def check_tg_step(tiny: bool) -> dict[str, Any]:
     batch = samples * reps
     row = sum(s.num_tokens for s in batch)
     mb = build_micro_batch(batch, tok, obj_cfg, row_tokens=row, prefix_reuse=True)
-    totals = dict(num_rollouts=len(batch), num_assistant_tokens=float(mb.loss_mask.sum()),
-                  num_gated_tokens=float(mb.gate.sum()))
+    totals = dict(num_rollouts=len(batch), num_assistant_tokens=float(mb.policy.loss_mask.sum()),
+                  num_gated_tokens=float(mb.policy.gate.sum()))
 
     def step():
         opt.zero_grad()

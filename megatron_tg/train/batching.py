@@ -36,34 +36,12 @@ import torch
 
 from megatron_tg.chat.framing import build_expert_sequences
 from megatron_tg.config.objective import ObjectiveConfig
+from megatron_tg.objectives.batch import PolicyBatch
 from megatron_tg.objectives.guidance import build_gate
 from megatron_tg.rollout.types import Rollout
-from megatron_tg.sampling.hinted import HintedTurn, hinted_rollout
+from megatron_tg.sampling.hinted import hinted_rollout
+from megatron_tg.sampling.train_sample import TrainSample
 from megatron_tg.train.prefix_kv import PrefixPlan, build_prefix_plan
-
-
-@dataclass
-class TrainSample:
-    """One judged rollout, ready to train on."""
-
-    rollout: Rollout
-    advantage: float
-    feedback_by_turn: dict[int, str] = field(default_factory=dict)
-    """Assistant-turn index -> feedback text: the turns that get an expert (and a KL gate)."""
-    reward: float | None = None
-    """The scalar reward the advantage was computed from (for the per-sample records)."""
-    hinted: list[HintedTurn] = field(default_factory=list)
-    """Samples of failing turns drawn with their feedback in context (``objective.hinted_samples``,
-    :mod:`megatron_tg.sampling.hinted`): KL-only sequences of this rollout."""
-
-    @property
-    def num_tokens(self) -> int:
-        """Student tokens this sample packs: the rollout and its hinted sequences."""
-        n = len(self.rollout.token_ids)
-        if self.hinted:
-            starts = [seg.start for seg in self.rollout.assistant_turns()]
-            n += sum(starts[h.turn] + len(h.token_ids) for h in self.hinted)
-        return n
 
 
 @dataclass
@@ -144,19 +122,21 @@ def pack(sequences: Sequence[Sequence[int]], row_tokens: int, pad_multiple: int 
 
 @dataclass
 class MicroBatch:
-    """Everything one micro-batch needs; per-row fields are indexed like ``rows``."""
+    """Everything one micro-batch needs: the rows the passes run and the loss's inputs.
+
+    ``policy`` is the loss's side of it, indexed like ``rows``; the step hands it to the
+    objective with the model's hidden states added (:func:`megatron_tg.train.step.run_step`).
+    Its ``loss_mask`` is all True: the loss rows are selected by the assistant mask here."""
 
     student: PackedRows
     rows: torch.Tensor                # [N] flat student rows in the loss (predict assistant tokens)
-    target_ids: torch.Tensor          # [N]
-    behaviour_logprobs: torch.Tensor  # [N]
-    loss_mask: torch.Tensor           # [N] bool (all True here: rows are selected by it)
-    rollout_index: torch.Tensor       # [N] in [0, R)
-    gate: torch.Tensor                # [N] float
+    policy: PolicyBatch
+    """[N] per row: target ids, behaviour log-probs, rollout index, gate, ``pg_mask``
+    (None: every row is the rollouts' own; False on hinted sequences' rows, which only the KL
+    term sees); [R] advantages. No hidden states yet."""
     turn_index: torch.Tensor          # [N] assistant turn of the predicted token
-    advantages: torch.Tensor          # [R]
     expert: PackedRows | None         # None when nothing is gated
-    expert_rows: torch.Tensor         # [G] flat expert rows, aligned with gate.nonzero()
+    expert_rows: torch.Tensor         # [G] flat expert rows, aligned with policy.gate.nonzero()
     num_rollouts: int
     num_tokens: int                   # real (unpadded) student tokens
     expert_prefix: PrefixPlan | None = None
@@ -168,9 +148,6 @@ class MicroBatch:
     a rollout's last token) get experts 0..k-1: they influence no loss row."""
     routed_layers: tuple[int, ...] = ()
     """Decoder-layer index of each layer slice of ``routed_experts``."""
-    pg_mask: torch.Tensor | None = None
-    """[N] bool: rows of the rollouts' own tokens (the GRPO term and the policy metrics);
-    False on hinted sequences' rows, which only the KL term sees. None: every row."""
 
 
 def routed_experts_layout(rollouts: Sequence[Rollout], student: PackedRows
@@ -203,28 +180,34 @@ def routed_experts_layout(rollouts: Sequence[Rollout], student: PackedRows
     return out, tuple(first.layers)
 
 
-def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveConfig, *,
-                      row_tokens: int, pad_multiple: int = 1, framing: str = "user",
-                      pad_id: int = 0, prefix_reuse: bool = False,
-                      routing_replay: bool = False) -> MicroBatch:
-    """Pack ``samples`` into one micro-batch (student rows, gates, expert rows).
+@dataclass
+class _StudentRows:
+    """The student part of a micro-batch: its packed sequences and loss rows, in build order."""
 
-    ``prefix_reuse`` (shared-weight expert only): pack only the expert sequences' suffixes,
-    from their first inserted feedback on; the expert pass takes the prefix keys/values from
-    the student pass (:mod:`megatron_tg.train.prefix_kv`). ``routing_replay``: lay out the
-    engine's routed experts for the student pass (every sample must carry them).
+    seqs: list[tuple[int, Rollout, bool]]
+    """Packed sequence ``q`` -> (its sample, its rollout, whether it is the sample's own)."""
+    packed: PackedRows
+    rows: list[int] = field(default_factory=list)       # flat student row of each loss row
+    targets: list[int] = field(default_factory=list)
+    behaviour: list[float] = field(default_factory=list)
+    rollout: list[int] = field(default_factory=list)    # sample index
+    failed: list[bool] = field(default_factory=list)    # its turn has feedback
+    thinking: list[bool] = field(default_factory=list)
+    own: list[bool] = field(default_factory=list)       # False on hinted sequences' rows
+    token: list[tuple[int, int]] = field(default_factory=list)  # (packed sequence, token index)
+    turn: list[int] = field(default_factory=list)       # assistant turn of the predicted token
 
-    A sample's hinted turns (:mod:`megatron_tg.sampling.hinted`) are packed after the samples as
-    sequences of their own, with the sample's rollout index: their rows carry the KL gate of
-    the failing turn they replace and are left out of ``pg_mask``."""
+
+def _student_part(samples: Sequence[TrainSample], tokenizer, row_tokens: int, pad_multiple: int,
+                  pad_id: int) -> _StudentRows:
+    """Pack the samples' rollouts, then their hinted sequences, and list the loss rows: every
+    position whose next token is an assistant token (a hinted sequence: its last turn only)."""
     # Packed sequence k: sample k's rollout for k < len(samples), then the hinted sequences.
     seqs: list[tuple[int, Rollout, bool]] = [(k, s.rollout, True) for k, s in enumerate(samples)]
     seqs += [(k, hinted_rollout(s.rollout, h, tokenizer), False)
              for k, s in enumerate(samples) for h in s.hinted]
-    student = pack([ro.token_ids for _, ro, _ in seqs], row_tokens, pad_multiple, pad_id)
-    rows, targets, behaviour, rindex, failed, thinking, own = [], [], [], [], [], [], []
-    tokref: list[tuple[int, int]] = []  # (packed sequence, token index) of each loss row
-    turnref: list[int] = []  # assistant turn of each loss row
+    out = _StudentRows(seqs, pack([ro.token_ids for _, ro, _ in seqs], row_tokens, pad_multiple,
+                                  pad_id))
     for q, (k, ro, is_own) in enumerate(seqs):
         amask, tmask = ro.assistant_mask(), ro.thinking_mask()
         turn_of, lps = ro.turn_index_per_token(), ro.logprobs_per_token()
@@ -232,31 +215,43 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
         for i in range(max(first, 1), len(ro.token_ids)):
             if not amask[i]:
                 continue
-            rows.append(student.flat(q, i - 1))
-            tokref.append((q, i))
-            turnref.append(turn_of[i])
-            targets.append(ro.token_ids[i])
-            behaviour.append(lps[i])
-            rindex.append(k)
-            failed.append(turn_of[i] in samples[k].feedback_by_turn)
-            thinking.append(bool(tmask[i]))
-            own.append(is_own)
-    rows_t = torch.tensor(rows, dtype=torch.long)
-    loss_mask = torch.ones(len(rows), dtype=torch.bool)
-    failed_t = torch.tensor(failed, dtype=torch.bool)
-    gate = build_gate(loss_mask, failed_t, torch.tensor(thinking, dtype=torch.bool), cfg)
-    gate = gate * failed_t.float()  # an expert exists only where feedback was given
+            out.rows.append(out.packed.flat(q, i - 1))
+            out.token.append((q, i))
+            out.turn.append(turn_of[i])
+            out.targets.append(ro.token_ids[i])
+            out.behaviour.append(lps[i])
+            out.rollout.append(k)
+            out.failed.append(turn_of[i] in samples[k].feedback_by_turn)
+            out.thinking.append(bool(tmask[i]))
+            out.own.append(is_own)
+    return out
 
+
+def _gate_part(student: _StudentRows, loss_mask: torch.Tensor,
+               cfg: ObjectiveConfig) -> torch.Tensor:
+    """[N] KL gate of the loss rows (build order): the mode's gate, and only where feedback
+    was given, because an expert sequence exists only there."""
+    failed = torch.tensor(student.failed, dtype=torch.bool)
+    gate = build_gate(loss_mask, failed, torch.tensor(student.thinking, dtype=torch.bool), cfg)
+    return gate * failed.float()
+
+
+def _expert_part(student: _StudentRows, gate: torch.Tensor, samples: Sequence[TrainSample],
+                 tokenizer, cfg: ObjectiveConfig, *, row_tokens: int, pad_multiple: int,
+                 pad_id: int, framing: str, prefix_reuse: bool
+                 ) -> tuple[PackedRows | None, PrefixPlan | None, dict[tuple[int, int], tuple[int, int]]]:
+    """The expert sequences of the gated turns, packed; the prefix plan (prefix reuse); and
+    (packed sequence, token index) -> (expert sequence, position predicting that token)."""
     # Expert sequences only for turns with a gated row: feedback on turns the mode does not
     # distil (e.g. mode "grpo") must not cost an expert forward pass.
     gated_turns: dict[int, set[int]] = {}
     for j in gate.nonzero().squeeze(1).tolist():
-        gated_turns.setdefault(tokref[j][0], set()).add(turnref[j])
+        gated_turns.setdefault(student.token[j][0], set()).add(student.turn[j])
     expert_seqs: list[list[int]] = []
     prefixes: list[tuple[int, int, int]] = []  # per expert sequence: (packed seq, prefix, suffix)
     expert_pos: dict[tuple[int, int], tuple[int, int]] = {}  # (packed seq, token i) -> (eseq, epos)
     for k, turns in sorted(gated_turns.items()):
-        owner, ro, _ = seqs[k]
+        owner, ro, _ = student.seqs[k]
         fb = {t: samples[owner].feedback_by_turn[t] for t in sorted(turns)}
         for eseq in build_expert_sequences(ro, fb, tokenizer, cfg.expert_sequence, framing):
             e = len(expert_seqs)
@@ -268,34 +263,62 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
             for i, on in enumerate(eseq.kl_mask):
                 if on:
                     expert_pos[(k, i)] = (e, eseq.position_map[i] - 1 - cut)
+    if not expert_seqs:
+        return None, None, expert_pos
+    # An expert sequence is longer than its rollout by the inserted feedback, so a rollout
+    # that fits the student's row budget may not fit it: widen the expert rows instead of
+    # failing (the budget bounds packing, not which rollouts can be trained on).
+    full = [p + n for _, p, n in prefixes]  # whole expert sequence lengths
+    budget = max(row_tokens, max(full))
+    expert = pack(expert_seqs, budget, pad_multiple, pad_id, cost=full)
+    plan = build_prefix_plan(student.packed, expert, prefixes) if prefix_reuse else None
+    return expert, plan, expert_pos
+
+
+def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveConfig, *,
+                      row_tokens: int, pad_multiple: int = 1, framing: str = "user",
+                      pad_id: int = 0, prefix_reuse: bool = False,
+                      routing_replay: bool = False) -> MicroBatch:
+    """Pack ``samples`` into one micro-batch: student rows, their gate, expert rows.
+
+    ``prefix_reuse`` (shared-weight expert only): pack only the expert sequences' suffixes,
+    from their first inserted feedback on; the expert pass takes the prefix keys/values from
+    the student pass (:mod:`megatron_tg.train.prefix_kv`). ``routing_replay``: lay out the
+    engine's routed experts for the student pass (every sample must carry them).
+
+    A sample's hinted turns (:mod:`megatron_tg.sampling.hinted`) are packed after the samples as
+    sequences of their own, with the sample's rollout index: their rows carry the KL gate of
+    the failing turn they replace and are left out of ``pg_mask``."""
+    student = _student_part(samples, tokenizer, row_tokens, pad_multiple, pad_id)
+    loss_mask = torch.ones(len(student.rows), dtype=torch.bool)
+    gate = _gate_part(student, loss_mask, cfg)
+    expert, plan, expert_pos = _expert_part(
+        student, gate, samples, tokenizer, cfg, row_tokens=row_tokens, pad_multiple=pad_multiple,
+        pad_id=pad_id, framing=framing, prefix_reuse=prefix_reuse)
 
     # Gated rows in increasing flat order; their expert rows in the same order.
+    rows_t = torch.tensor(student.rows, dtype=torch.long)
     order = torch.argsort(rows_t)
     rows_t = rows_t[order]
-    fields = [torch.tensor(x)[order] for x in (targets, behaviour, rindex, turnref)]
+    targets, behaviour, rindex, turns = (torch.tensor(x)[order] for x in (
+        student.targets, student.behaviour, student.rollout, student.turn))
     gate = gate[order]
-    own_t = torch.tensor(own, dtype=torch.bool)[order]
-    expert = None
-    if expert_seqs:
-        # An expert sequence is longer than its rollout by the inserted feedback, so a rollout
-        # that fits the student's row budget may not fit it: widen the expert rows instead of
-        # failing (the budget bounds packing, not which rollouts can be trained on).
-        full = [p + n for _, p, n in prefixes]  # whole expert sequence lengths
-        budget = max(row_tokens, max(full))
-        expert = pack(expert_seqs, budget, pad_multiple, pad_id, cost=full)
-    plan = build_prefix_plan(student, expert, prefixes) if expert is not None and prefix_reuse else None
+    own = torch.tensor(student.own, dtype=torch.bool)[order]
     expert_rows = []
     for j in gate.nonzero().squeeze(1).tolist():
-        e, epos = expert_pos[tokref[int(order[j])]]
+        e, epos = expert_pos[student.token[int(order[j])]]
         expert_rows.append(expert.flat(e, epos))
+    policy = PolicyBatch(
+        target_ids=targets.long(), behaviour_logprobs=behaviour.float(), loss_mask=loss_mask,
+        rollout_index=rindex.long(), gate=gate,
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        pg_mask=None if bool(own.all()) else own)
+    seqs = student.seqs
     return MicroBatch(
-        student=student, rows=rows_t, target_ids=fields[0].long(),
-        behaviour_logprobs=fields[1].float(), loss_mask=loss_mask, rollout_index=fields[2].long(),
-        gate=gate, turn_index=fields[3].long(), advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        student=student.packed, rows=rows_t, policy=policy, turn_index=turns.long(),
         expert=expert, expert_rows=torch.tensor(expert_rows, dtype=torch.long),
         num_rollouts=len(samples), num_tokens=sum(len(ro.token_ids) for _, ro, _ in seqs),
-        expert_prefix=plan, pg_mask=None if bool(own_t.all()) else own_t,
+        expert_prefix=plan,
         **(dict(zip(("routed_experts", "routed_layers"),
-                    routed_experts_layout([ro for _, ro, _ in seqs], student)))
+                    routed_experts_layout([ro for _, ro, _ in seqs], student.packed)))
            if routing_replay else {}))
-

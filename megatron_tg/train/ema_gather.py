@@ -2,7 +2,7 @@
 DP-sharded fp32 average just before the expert pass runs that layer, and freed after it.
 
 Why: a replicated expert holds the rank's whole parameter shard once more in the model dtype
-for the whole run (8.2 GiB per GPU at tg_30b), although only the expert pass reads it. Here
+for the whole run (docs/memory-plan.md: per recipe), although only the expert pass reads it. Here
 the expert model's parameters hold no storage outside the expert pass; what the GPU holds
 for the expert is the fp32 shard of :class:`~megatron_tg.train.ema.ShardedEMA` (4 B / param
 / DP, or nothing on the device with ``placement="host"``) plus, during the pass, one unit's
@@ -34,8 +34,8 @@ length of the expert pass. Both are decided by the memory plan (``megatron-tg me
 prints the two), not at run time: the plan knows the other terms of the step, the trainer
 does not. Reordering the expert pass layer-major (every micro-batch through layer ``l``
 before layer ``l + 1``, which would gather once per step at one layer's memory) would hold
-every micro-batch's hidden states at once, the step's ``host_expert_states`` (32 GiB at
-tg_30b), on the device, and would not be megatron's schedule (PP): not done.
+every micro-batch's hidden states at once, the step's ``host_expert_states`` (``megatron-tg
+memory`` prints them), on the device, and would not be megatron's schedule (PP): not done.
 
 Lock-step: the gathers are collectives of the DP / expert-DP groups, so under "layer" every
 rank of them runs as many gathers as the rank with the most expert passes; a rank with fewer

@@ -34,7 +34,8 @@ from typing import Any, Iterable, Protocol, Sequence
 import torch
 
 from megatron_tg.rollout.types import Rollout
-from megatron_tg.train.batching import MicroBatch, TrainSample
+from megatron_tg.sampling.train_sample import TrainSample
+from megatron_tg.train.batching import MicroBatch
 
 _NAME = re.compile(r"^step_(\d+)\.jsonl(\.gz)?$")
 
@@ -75,9 +76,9 @@ class TurnStatsAccumulator:
             rows: dict[str, torch.Tensor]) -> None:
         kl = rows.get("kl")
         weight = rows.get("is_weight")
-        gated = (mb.gate > 0).tolist()
-        own = mb.pg_mask.tolist() if mb.pg_mask is not None else None
-        for j, (k, turn) in enumerate(zip(mb.rollout_index.tolist(), mb.turn_index.tolist())):
+        gated = (mb.policy.gate > 0).tolist()
+        own = mb.policy.pg_mask.tolist() if mb.policy.pg_mask is not None else None
+        for j, (k, turn) in enumerate(zip(mb.policy.rollout_index.tolist(), mb.turn_index.tolist())):
             if own is not None and not own[j]:  # a hinted turn's row: not the rollout's token
                 continue
             acc = self._sums[(samples[k].rollout.rollout_id, turn)]

@@ -10,8 +10,9 @@ under pipeline parallelism, ``forward_backward_no_pipelining`` at PP = 1 — twi
    separate expert's output weight); every other activation is freed before step 2. Dummy
    passes (expert-parallel lock-step) forward the student rows and keep nothing. The step's
    kept states are parked in pinned host memory on GPU (:func:`park`) and each micro-batch's
-   come back at its loss: at 235B they would otherwise hold up to 32 GiB of the GPU for the
-   whole step (``megatron-tg memory``: ``expert_states`` and the host note).
+   come back at its loss: at paper scale they would otherwise hold tens of GiB of the GPU
+   for the whole step (``megatron-tg memory``: ``expert_states`` and the host note;
+   docs/memory-plan.md per recipe).
 2. **Student pass** (forward-backward schedule) over every micro-batch of the plan; the
    loss is computed on the last stage from the student's hidden states and the kept
    expert states. Padding micro-batches have loss weight 0.
@@ -42,7 +43,7 @@ from typing import ContextManager, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_tg.objectives import LossOutput, PolicyBatch, TGObjective, select_rows
+from megatron_tg.objectives import LossOutput, TGObjective, select_rows
 from megatron_tg.train.batching import MicroBatch, PackedRows
 from megatron_tg.train.pass_plan import ExpertPass, PassPlan, build_pass_plan, has_expert
 from megatron_tg.train.policy import HiddenOutput, forward_hidden, unwrap
@@ -94,8 +95,8 @@ def _replay(model: torch.nn.Module, mb: MicroBatch):
 
 def _padding(mb: MicroBatch) -> MicroBatch:
     """A zero-weight stand-in: the micro-batch's student rows without its expert part."""
-    return replace(mb, expert=None, expert_rows=mb.expert_rows[:0],
-                   gate=torch.zeros_like(mb.gate), expert_prefix=None)
+    return replace(mb, expert=None, expert_rows=mb.expert_rows[:0], expert_prefix=None,
+                   policy=replace(mb.policy, gate=torch.zeros_like(mb.policy.gate)))
 
 
 def _schedule(model, step_fn, items: list, *, forward_only: bool,
@@ -214,10 +215,8 @@ def run_step(model: torch.nn.Module, objective: TGObjective, batches: Sequence[M
         eh, ew = expert if expert is not None else (None, None)
         if eh is not None and eh.device != output_tensor.device:  # parked by the expert pass
             eh = eh.to(output_tensor.device, non_blocking=True)
-        batch = PolicyBatch(
-            target_ids=mb.target_ids, behaviour_logprobs=mb.behaviour_logprobs,
-            loss_mask=mb.loss_mask, rollout_index=mb.rollout_index, advantages=mb.advantages,
-            gate=mb.gate, pg_mask=mb.pg_mask, hidden=select_rows(output_tensor, mb.rows),
+        batch = replace(
+            mb.policy, hidden=select_rows(output_tensor, mb.rows),
             output_weight=student.output_weight, expert_hidden=eh,
             # The shared-weight expert uses the student's (live, detached) weight in the op.
             expert_output_weight=ew if expert_model is not None else None, **totals)

@@ -28,7 +28,8 @@ from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
 from megatron_tg.objectives import TGObjective
 from megatron_tg.parallel.dims import Axis
 from megatron_tg.parallel.state import LaunchEnv, init_parallel
-from megatron_tg.train.batching import TrainSample, build_micro_batch
+from megatron_tg.sampling.train_sample import TrainSample
+from megatron_tg.train.batching import build_micro_batch
 from megatron_tg.train.checkpoint import Checkpointer
 from megatron_tg.train.ema import ShardedEMA
 from megatron_tg.train.ema_gather import GatheredEMA
@@ -158,10 +159,9 @@ class Trainer:
         never trained by the optimizer: "frozen" keeps them, "ema" tracks the policy.
 
         Memory: one more copy of this rank's parameter shard (no gradients, no optimizer
-        state). Qwen3-Coder-30B-A3B under recipes/tg_30b.yaml (TP=2, EP=8, ETP=1): 4.40B
-        parameters per rank, +8.2 GiB in bf16 per GPU (from ``megatron-tg describe``). The
-        "ema" expert adds its fp32 average, sharded over DP like the optimizer's main
-        parameters (:mod:`megatron_tg.train.ema`): 4 B per parameter / DP size.
+        state; ``megatron-tg describe`` prints the shard, docs/memory-plan.md has it per
+        recipe). The "ema" expert adds its fp32 average, sharded over DP like the optimizer's
+        main parameters (:mod:`megatron_tg.train.ema`): 4 B per parameter / DP size.
         """
         kind = self.cfg.objective.expert
         if kind == "shared":
@@ -221,9 +221,9 @@ class Trainer:
                                      routing_replay=self.routing_replay) for group in micro]
         # Step totals: every micro-batch normalises by the whole step, not by itself.
         totals = dict(num_rollouts=len(samples),
-                      num_assistant_tokens=float(sum(int(mb.loss_mask.sum() if mb.pg_mask is None
-                                                         else mb.pg_mask.sum()) for mb in batches)),
-                      num_gated_tokens=float(sum(float(mb.gate.sum()) for mb in batches)))
+                      num_assistant_tokens=float(sum(int(mb.policy.policy_mask().sum())
+                                                     for mb in batches)),
+                      num_gated_tokens=float(sum(float(mb.policy.gate.sum()) for mb in batches)))
         turn_stats = TurnStatsAccumulator() if self.cfg.logging.samples_per_step else None
         # Which passes run per micro-batch on every rank (EP lock-step, padding): decided once.
         plan = build_pass_plan(batches, ep=self.ctx.dims.ep)

@@ -77,7 +77,7 @@ def test_eval_command_refuses_an_overlapping_task_before_building_a_model(tmp_pa
     """The built-in training tasks (rollout.tasks unset) hold fizzbuzz; a held-out file with
     the same problem under another id is refused by ``megatron-tg eval`` with exit 2."""
     from megatron_tg.agent.tasks import builtin_tasks
-    from megatron_tg.eval.command import main
+    from megatron_tg.cli import main
 
     fizz = next(t for t in builtin_tasks() if t.id == "fizzbuzz")
     row = fizz.to_dict()
@@ -86,7 +86,7 @@ def test_eval_command_refuses_an_overlapping_task_before_building_a_model(tmp_pa
     held = tmp_path / "heldout.jsonl"
     held.write_text(json.dumps(row) + "\n")
     # The recipe's model directory does not even exist here: the refusal comes first.
-    rc = main(["--recipe", str(ROOT / "recipes" / "tiny_cpu.yaml"), f"evaluation.tasks={held}"])
+    rc = main(["eval", "--recipe", str(ROOT / "recipes" / "tiny_cpu.yaml"), f"evaluation.tasks={held}"])
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "held-out tasks are not disjoint" in err

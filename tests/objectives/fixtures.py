@@ -10,6 +10,13 @@ from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.objectives import PolicyBatch, build_gate
 
 
+def logits_as_hidden(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``hidden`` and ``output_weight`` of a batch whose logits are ``logits`` [N, V]: the output
+    weight is the identity, so the loss's fused ops compute exactly ``logits`` (x·1 + 0s) and
+    the gradient on ``hidden`` is the logits' gradient. Tests state logits this way."""
+    return dict(hidden=logits, output_weight=torch.eye(logits.shape[-1], dtype=logits.dtype))
+
+
 def rollout_batch(lengths: Sequence[int], *, vocab: int = 7, seed: int = 0,
                   failed: Optional[Sequence[Sequence[int]]] = None,
                   thinking: Optional[Sequence[Sequence[int]]] = None,
@@ -19,8 +26,9 @@ def rollout_batch(lengths: Sequence[int], *, vocab: int = 7, seed: int = 0,
                   expert_logits_full: Optional[torch.Tensor] = None) -> PolicyBatch:
     """Rollout i has ``lengths[i]`` rows; ``failed[i]`` / ``thinking[i]`` list row offsets in it.
 
-    ``prompt_rows`` are global row numbers that are not assistant tokens. The expert logits are
-    compacted to the gated rows, as the trainer would hand them over.
+    ``prompt_rows`` are global row numbers that are not assistant tokens. The logits are the
+    batch's ``hidden`` through an identity output weight (:func:`logits_as_hidden`); the
+    expert's are compacted to the gated rows, as the trainer would hand them over.
     """
     cfg = cfg or ObjectiveConfig()
     gen = torch.Generator().manual_seed(seed)
@@ -49,6 +57,6 @@ def rollout_batch(lengths: Sequence[int], *, vocab: int = 7, seed: int = 0,
     return PolicyBatch(
         target_ids=target, behaviour_logprobs=behaviour, loss_mask=loss_mask,
         rollout_index=rollout_index, advantages=adv, gate=gate,
-        logits=logits.clone().requires_grad_(True), gate_index=gate_index,
-        expert_logits=expert_logits_full[gate_index].clone(), vocab_size=vocab,
+        **logits_as_hidden(logits.clone().requires_grad_(True)), gate_index=gate_index,
+        expert_hidden=expert_logits_full[gate_index].clone(), vocab_size=vocab,
     )

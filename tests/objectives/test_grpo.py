@@ -10,6 +10,7 @@ import torch
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.objectives import (PolicyBatch, TGObjective, combine_rewards, group_advantages,
                                     policy_gradient_term)
+from tests.objectives.fixtures import logits_as_hidden
 
 
 def _two_token_vocab_batch(behaviour, advantages, rollout_index, old=None):
@@ -23,7 +24,7 @@ def _two_token_vocab_batch(behaviour, advantages, rollout_index, old=None):
         rollout_index=torch.tensor(rollout_index),
         advantages=torch.tensor(advantages, dtype=torch.float64),
         gate=torch.zeros(n),
-        logits=torch.zeros(n, 2, dtype=torch.float64, requires_grad=True),
+        **logits_as_hidden(torch.zeros(n, 2, dtype=torch.float64, requires_grad=True)),
         old_logprobs=None if old is None else torch.tensor(old, dtype=torch.float64),
     )
 
@@ -44,7 +45,7 @@ def test_ppo_clip_closed_form_value_gradient_and_clip_fraction():
     dlogp = torch.tensor([0.0, -0.5, -1.0, 2.0, 0.0, 1.0], dtype=torch.float64) / 6
     # dlogπ(0)/dz = onehot(0) - softmax = [0.5, -0.5].
     want_grad = torch.stack([0.5 * dlogp, -0.5 * dlogp], dim=1)
-    torch.testing.assert_close(batch.logits.grad, want_grad)
+    torch.testing.assert_close(batch.hidden.grad, want_grad)
     assert out.metrics["pg/clip_frac"].item() == pytest.approx(2 / 6)
     assert out.metrics["pg/is_weight_mean"].item() == 1.0  # no π_old: no TIS
 
@@ -62,7 +63,7 @@ def test_truncated_importance_sampling_closed_form():
     assert m["pg/is_weight_max"].item() == pytest.approx(5.0)
     assert m["pg/is_frac_truncated"].item() == pytest.approx(1 / 3)
     out.loss.backward()
-    torch.testing.assert_close(batch.logits.grad[:, 0],
+    torch.testing.assert_close(batch.hidden.grad[:, 0],
                                torch.tensor([-2.0 * w / 3 * 0.5 for w in weights], dtype=torch.float64))
     # tis_cap <= 0 disables the correction entirely.
     off = TGObjective(ObjectiveConfig(mode="grpo", tis_cap=0.0, pg_token_normalization="global"),
@@ -81,7 +82,7 @@ def _student_old_batch(deltas, advantages, rollout_index, vocab=5, seed=0):
         target_ids=target, behaviour_logprobs=logp - torch.tensor(deltas, dtype=torch.float64),
         loss_mask=torch.ones(n, dtype=torch.bool), rollout_index=torch.tensor(rollout_index),
         advantages=torch.tensor(advantages, dtype=torch.float64), gate=torch.zeros(n),
-        logits=logits.requires_grad_(True))
+        **logits_as_hidden(logits.requires_grad_(True)))
 
 
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
@@ -104,11 +105,11 @@ def test_default_old_logprobs_are_the_students_detached_and_tis_is_on(mode):
     want = sum(-w[t] * adv[r] / lengths[r] for t, r in enumerate(rollout_index)) / 2
     assert out.loss.item() == pytest.approx(want, abs=1e-12)
     out.loss.backward()
-    probs = batch.logits.detach().softmax(-1)
+    probs = batch.hidden.detach().softmax(-1)
     onehot = torch.nn.functional.one_hot(batch.target_ids, probs.shape[1]).double()
     coef = torch.tensor([-w[t] * adv[r] / (2 * lengths[r]) for t, r in enumerate(rollout_index)],
                         dtype=torch.float64)
-    torch.testing.assert_close(batch.logits.grad, coef[:, None] * (onehot - probs))
+    torch.testing.assert_close(batch.hidden.grad, coef[:, None] * (onehot - probs))
     m = out.metrics
     assert m["pg/ratio_mean"].item() == 1.0 and m["pg/clip_frac"].item() == 0.0
     assert m["pg/is_weight_mean"].item() == pytest.approx(sum(w) / 5)
@@ -147,7 +148,7 @@ def test_prompt_and_tool_rows_never_count():
     loss = TGObjective(cfg, compute_entropy=False)(batch).loss
     loss.backward()
     assert loss.item() == pytest.approx(-1.0)  # mean over the 3 assistant rows, not 4
-    assert (batch.logits.grad[1] == 0).all() and (batch.logits.grad[0] != 0).all()
+    assert (batch.hidden.grad[1] == 0).all() and (batch.hidden.grad[0] != 0).all()
 
 
 def test_global_vs_rollout_token_normalisation():
@@ -198,7 +199,7 @@ def test_policy_gradient_term_directly_matches_formula():
     adv = torch.tensor([0.7, -1.2, 0.4], dtype=torch.float64)
     batch = PolicyBatch(target_ids=torch.zeros(n, dtype=torch.long), behaviour_logprobs=beh,
                         loss_mask=torch.ones(n, dtype=torch.bool), rollout_index=idx,
-                        advantages=adv, gate=torch.zeros(n), logits=torch.zeros(n, 1),
+                        advantages=adv, gate=torch.zeros(n), **logits_as_hidden(torch.zeros(n, 1)),
                         old_logprobs=old)
     cfg = ObjectiveConfig(clip_eps_low=0.1, clip_eps_high=0.3, tis_cap=1.5)
     loss, _ = policy_gradient_term(logp, batch, cfg)

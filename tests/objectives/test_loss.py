@@ -16,7 +16,7 @@ from tests.ops.reference import ref_kl
 def _grads(cfg, batch):
     out = TGObjective(cfg)(batch)
     out.loss.backward()
-    return out, batch.logits.grad.clone()
+    return out, batch.hidden.grad.clone()
 
 
 @pytest.mark.parametrize("direction", ["reverse", "forward", "jsd"])
@@ -39,7 +39,7 @@ def test_loss_is_sum_of_named_terms_and_kl_matches_closed_form():
     out = TGObjective(cfg)(batch)
     assert torch.equal(out.loss, out.terms["pg"] + out.terms["kl"])
     gi = batch.gate_index
-    kl = ref_kl(batch.logits.detach()[gi], batch.expert_logits, "reverse")
+    kl = ref_kl(batch.hidden.detach()[gi], batch.expert_hidden, "reverse")
     # rollout_gated: mean over each rollout's gated rows; rollout 1 has none and counts 0; / 3 rollouts.
     want = (kl[:2].mean() + 0 + kl[2:].mean()) / 3
     assert out.terms["kl"].item() == pytest.approx(0.3 * want.item(), rel=1e-12)
@@ -54,10 +54,10 @@ def test_loss_is_sum_of_named_terms_and_kl_matches_closed_form():
 def test_expert_is_stop_gradient():
     cfg = ObjectiveConfig(mode="tg", kl_coef=1.0)
     batch = rollout_batch([3, 3], failed=[[0, 1], [2]], cfg=cfg)
-    batch.expert_logits.requires_grad_(True)
+    batch.expert_hidden.requires_grad_(True)
     TGObjective(cfg)(batch).loss.backward()
-    assert batch.expert_logits.grad is None
-    assert batch.logits.grad[batch.gate_index].abs().sum() > 0
+    assert batch.expert_hidden.grad is None
+    assert batch.hidden.grad[batch.gate_index].abs().sum() > 0
 
 
 def _kl_term(norm, lengths, failed, logits, expert):
@@ -104,13 +104,12 @@ def test_fused_batch_equals_logits_batch():
     out_ref.loss.backward()
     hid_l, w_l = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
     he = hid_e[ref.gate_index].clone().requires_grad_(True)
-    fused = dataclasses.replace(ref, logits=None, hidden=hid_l, output_weight=w_l,
-                                expert_logits=None, expert_hidden=he)
+    fused = dataclasses.replace(ref, hidden=hid_l, output_weight=w_l, expert_hidden=he)
     out = TGObjective(cfg)(fused)
     out.loss.backward()
     torch.testing.assert_close(out.loss, out_ref.loss)
-    torch.testing.assert_close(hid_l.grad, ref.logits.grad @ w)
-    torch.testing.assert_close(w_l.grad, ref.logits.grad.t() @ hid)
+    torch.testing.assert_close(hid_l.grad, ref.hidden.grad @ w)
+    torch.testing.assert_close(w_l.grad, ref.hidden.grad.t() @ hid)
     assert he.grad is None
     for k in ("kl/mean_gated", "entropy/all", "entropy/gated"):
         torch.testing.assert_close(out.metrics[k], out_ref.metrics[k])
@@ -125,11 +124,11 @@ def test_zero_coef_keeps_metrics_but_no_term():
 def test_missing_expert_rows_is_a_named_error():
     cfg = ObjectiveConfig(mode="tg")
     batch = rollout_batch([3], failed=[[0, 1]], cfg=cfg)
-    batch.expert_logits = batch.expert_logits[:1]
-    with pytest.raises(ValueError, match="expert_logits"):
+    batch.expert_hidden = batch.expert_hidden[:1]
+    with pytest.raises(ValueError, match="expert_hidden"):
         TGObjective(cfg)(batch)
-    batch.logits = None
-    with pytest.raises(ValueError, match="logits or hidden"):
+    batch.hidden = None
+    with pytest.raises(ValueError, match="hidden states"):
         TGObjective(cfg)(batch)
 
 

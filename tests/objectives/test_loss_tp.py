@@ -31,27 +31,35 @@ def _compare(rank, world, cfg, fused: bool) -> float:
     cols = slice(rank * vs, (rank + 1) * vs)
     if fused:
         h, wl = hid.clone().requires_grad_(True), w[cols].clone().requires_grad_(True)
-        local = dataclasses.replace(local, logits=None, hidden=h, output_weight=wl,
-                                    expert_logits=None, expert_hidden=hid_e[local.gate_index])
+        local = dataclasses.replace(local, hidden=h, output_weight=wl,
+                                    expert_hidden=hid_e[local.gate_index])
     else:
-        pad = torch.full((10, PADDED), float("nan"), dtype=torch.float64)
+        # The logits as hidden states through this rank's rows of an identity output weight:
+        # its local logits are its vocabulary shard of z. The padding's weight rows are NaN,
+        # so reading a padded column would show; without the hidden-gradient all-reduce each
+        # rank's gradient is its own shard's.
+        pad = torch.zeros(10, PADDED, dtype=torch.float64)
         pad_e = pad.clone()
         pad[:, :VOCAB], pad_e[:, :VOCAB] = z, ze
-        local.logits = pad[:, cols].clone().requires_grad_(True)
-        local.expert_logits = pad_e[local.gate_index][:, cols].clone()
-    out = TGObjective(cfg, group=dist.group.WORLD)(local)
+        head = torch.eye(PADDED, dtype=torch.float64)
+        head[VOCAB:] = float("nan")
+        local = dataclasses.replace(local, hidden=pad.clone().requires_grad_(True),
+                                    output_weight=head[cols], expert_hidden=pad_e[local.gate_index])
+    out = TGObjective(cfg, group=dist.group.WORLD, reduce_hidden_grad=fused)(local)
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=1e-12)
     for key in ref.metrics:
         torch.testing.assert_close(out.metrics[key].double(), ref.metrics[key].double(),
                                    rtol=1e-10, atol=1e-12, equal_nan=True, msg=key)
     full_grad = torch.zeros(10, PADDED, dtype=torch.float64)
-    full_grad[:, :VOCAB] = ref_batch.logits.grad
+    full_grad[:, :VOCAB] = ref_batch.hidden.grad
     if fused:
         torch.testing.assert_close(local.hidden.grad, full_grad @ w)
         torch.testing.assert_close(local.output_weight.grad, full_grad[:, cols].t() @ hid)
     else:
-        torch.testing.assert_close(local.logits.grad, full_grad[:, cols])
+        shard = torch.zeros_like(full_grad)
+        shard[:, cols] = full_grad[:, cols]
+        torch.testing.assert_close(local.hidden.grad, shard)
     return out.loss.item()
 
 

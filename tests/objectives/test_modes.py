@@ -56,7 +56,7 @@ def test_no_thinking_removes_thinking_rows_from_the_kl():
     tg_b, nt_b = rollout_batch(cfg=tg_cfg, **kw), rollout_batch(cfg=nt_cfg, **kw)
     assert tg_b.gate_index.tolist() == [0, 1, 2, 3] and nt_b.gate_index.tolist() == [2, 3]
     TGObjective(nt_cfg)(nt_b).terms["kl"].backward()
-    assert (nt_b.logits.grad[:2] == 0).all() and (nt_b.logits.grad[2:] != 0).any()
+    assert (nt_b.hidden.grad[:2] == 0).all() and (nt_b.hidden.grad[2:] != 0).any()
 
 
 def test_names_written_in_two_layers_agree():

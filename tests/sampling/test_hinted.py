@@ -28,8 +28,10 @@ from megatron_tg.objectives.batch import PolicyBatch
 from megatron_tg.objectives.grpo import policy_gradient_term
 from megatron_tg.objectives.guidance import gated_kl_term
 from megatron_tg.sampling.hinted import HintedTurn, hinted_rollout
-from megatron_tg.train.batching import TrainSample, build_micro_batch
+from megatron_tg.sampling.train_sample import TrainSample
+from megatron_tg.train.batching import build_micro_batch
 from tests.chat.convos import SEARCH_TOOL, call, conversation
+from tests.objectives.fixtures import logits_as_hidden
 
 FB = "Use the lines= argument of the search tool."
 
@@ -79,23 +81,23 @@ def test_hinted_rows_are_kl_only_and_aligned(setup, expert_sequence):
     row = 2 * max(len(s.rollout.token_ids) for s in plain)
     m0 = build_micro_batch(plain, tok, cfg, row_tokens=row, pad_multiple=2)
     m1 = build_micro_batch(hinted, tok, cfg, row_tokens=row, pad_multiple=2)
-    assert m0.pg_mask is None and m1.pg_mask is not None
-    own, extra = m1.pg_mask, ~m1.pg_mask
+    assert m0.policy.pg_mask is None and m1.policy.pg_mask is not None
+    own, extra = m1.policy.pg_mask, ~m1.policy.pg_mask
     # The rollouts' own rows: the same tokens, rollouts, advantages and gates as without.
-    key = lambda mb, sel: sorted(zip(mb.target_ids[sel].tolist(), mb.rollout_index[sel].tolist(),  # noqa: E731
-                                     mb.gate[sel].tolist(), mb.behaviour_logprobs[sel].tolist()))
-    assert key(m1, own) == key(m0, torch.ones_like(m0.loss_mask))
-    assert torch.equal(m1.advantages, m0.advantages)
+    key = lambda mb, sel: sorted(zip(mb.policy.target_ids[sel].tolist(), mb.policy.rollout_index[sel].tolist(),  # noqa: E731
+                                     mb.policy.gate[sel].tolist(), mb.policy.behaviour_logprobs[sel].tolist()))
+    assert key(m1, own) == key(m0, torch.ones_like(m0.policy.loss_mask))
+    assert torch.equal(m1.policy.advantages, m0.policy.advantages)
     # Hinted rows: exactly the hinted tokens (after the context), all gated, rollout 0's.
     n_hint = len(ids) + 7
-    assert int(extra.sum()) == n_hint and bool((m1.gate[extra] == 1).all())
-    assert set(m1.rollout_index[extra].tolist()) == {0}
-    assert sorted(m1.target_ids[extra].tolist()) == sorted(ids + ids[:7])
+    assert int(extra.sum()) == n_hint and bool((m1.policy.gate[extra] == 1).all())
+    assert set(m1.policy.rollout_index[extra].tolist()) == {0}
+    assert sorted(m1.policy.target_ids[extra].tolist()) == sorted(ids + ids[:7])
     # Expert rows of every gated row (hinted ones included) predict the row's token, from
     # an expert sequence holding the feedback.
-    nz = m1.gate.nonzero().squeeze(1)
+    nz = m1.policy.gate.nonzero().squeeze(1)
     etok = m1.expert.tokens.reshape(-1)
-    assert torch.equal(etok[m1.expert_rows + 1], m1.target_ids[nz])
+    assert torch.equal(etok[m1.expert_rows + 1], m1.policy.target_ids[nz])
     feedback = hinted[0].feedback_by_turn
     width = m1.expert.tokens.shape[1]
     hinted_at = extra[nz]
@@ -113,34 +115,35 @@ def test_grpo_term_ignores_hinted_rows(setup):
     n, vocab = mb.rows.numel(), len(tok)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(n, vocab, generator=g, dtype=torch.float64, requires_grad=True)
-    expert = torch.randn(int(mb.gate.sum()), vocab, generator=g, dtype=torch.float64)
+    expert = torch.randn(int(mb.policy.gate.sum()), vocab, generator=g, dtype=torch.float64)
 
     def batch(sel, with_mask):
-        gate_rows = mb.gate.nonzero().squeeze(1)
+        gate_rows = mb.policy.gate.nonzero().squeeze(1)
         keep_gate = torch.isin(gate_rows, sel.nonzero().squeeze(1))
-        return PolicyBatch(target_ids=mb.target_ids[sel], behaviour_logprobs=mb.behaviour_logprobs[sel] - 0.3,
-                           loss_mask=mb.loss_mask[sel], rollout_index=mb.rollout_index[sel],
-                           advantages=mb.advantages, gate=mb.gate[sel], logits=logits[sel],
-                           pg_mask=mb.pg_mask[sel] if with_mask else None,
-                           expert_logits=expert[keep_gate])
+        return PolicyBatch(target_ids=mb.policy.target_ids[sel], behaviour_logprobs=mb.policy.behaviour_logprobs[sel] - 0.3,
+                           loss_mask=mb.policy.loss_mask[sel], rollout_index=mb.policy.rollout_index[sel],
+                           advantages=mb.policy.advantages, gate=mb.policy.gate[sel],
+                           **logits_as_hidden(logits[sel]),
+                           pg_mask=mb.policy.pg_mask[sel] if with_mask else None,
+                           expert_hidden=expert[keep_gate])
 
     every = torch.ones(n, dtype=torch.bool)
-    full, own = batch(every, True), batch(mb.pg_mask, False)
-    l_full, m_full = policy_gradient_term(torch.log_softmax(full.logits, -1).gather(1, full.target_ids[:, None])[:, 0], full, cfg)
-    l_own, m_own = policy_gradient_term(torch.log_softmax(own.logits, -1).gather(1, own.target_ids[:, None])[:, 0], own, cfg)
+    full, own = batch(every, True), batch(mb.policy.pg_mask, False)
+    l_full, m_full = policy_gradient_term(torch.log_softmax(full.hidden, -1).gather(1, full.target_ids[:, None])[:, 0], full, cfg)
+    l_own, m_own = policy_gradient_term(torch.log_softmax(own.hidden, -1).gather(1, own.target_ids[:, None])[:, 0], own, cfg)
     assert float(l_full.detach()) == pytest.approx(float(l_own.detach()), rel=1e-12)
     for k in m_own:
         assert float(m_full[k]) == pytest.approx(float(m_own[k]), rel=1e-9), k
     (grad,) = torch.autograd.grad(l_full, logits, retain_graph=True)
-    assert float(grad[~mb.pg_mask].abs().max()) == 0.0  # no policy gradient on hinted rows
+    assert float(grad[~mb.policy.pg_mask].abs().max()) == 0.0  # no policy gradient on hinted rows
     # The KL term covers the hinted rows: more gated rows than the rollouts' own.
     kl_full, km = gated_kl_term(full, cfg, None)
     kl_own, _ = gated_kl_term(own, cfg, None)
     assert float(kl_full.detach()) != pytest.approx(float(kl_own.detach()))
     (gk,) = torch.autograd.grad(kl_full, logits)
-    assert float(gk[~mb.pg_mask].abs().max()) > 0.0
+    assert float(gk[~mb.policy.pg_mask].abs().max()) > 0.0
     # frac_gated stays a statement about the rollouts' own tokens.
-    assert float(km["kl/frac_gated"]) == pytest.approx(float(mb.gate[mb.pg_mask].mean()))
+    assert float(km["kl/frac_gated"]) == pytest.approx(float(mb.policy.gate[mb.policy.pg_mask].mean()))
 
 
 def test_wire_keeps_hinted_turns(setup):
@@ -308,9 +311,9 @@ def test_prefix_reuse_rebuilds_the_hinted_expert_sequences(setup):
     got = segments([keys[i] for i in plan.kv_index.tolist()], plan.cu_seqlens_kv.tolist())
     assert len(want) == 2 + 1  # rollout a's expert sequence and its two hinted turns'
     assert got == want
-    nz = reuse.gate.nonzero().squeeze(1)
+    nz = reuse.policy.gate.nonzero().squeeze(1)
     etok = reuse.expert.tokens.reshape(-1)
-    assert torch.equal(etok[reuse.expert_rows + 1], reuse.target_ids[nz])
+    assert torch.equal(etok[reuse.expert_rows + 1], reuse.policy.target_ids[nz])
 
 
 def test_malformed_engine_replies_are_counted_and_bad_wire_data_is_refused(setup):

@@ -123,7 +123,7 @@ def test_hinted_turn_requests_are_accepted_by_sglang(tmp_path):
     from megatron_tg.models.qwen3_moe import Qwen3Arch
     from megatron_tg.models.tiny import build_tiny_policy
     from megatron_tg.sampling.hinted import add_hinted_turns
-    from megatron_tg.train.batching import TrainSample
+    from megatron_tg.sampling.train_sample import TrainSample
     from tests.chat.convos import SEARCH_TOOL, conversation
 
     policy = build_tiny_policy(tmp_path / "policy")

@@ -9,7 +9,7 @@ from megatron_tg.chat import get_tiny_tokenizer
 from megatron_tg.chat.builder import simulate_rollout
 from megatron_tg.models.qwen3_moe import Qwen3Arch
 from megatron_tg.rollout.routed_experts import RoutedExperts
-from megatron_tg.train.batching import TrainSample
+from megatron_tg.sampling.train_sample import TrainSample
 from tests.chat.convos import SEARCH_TOOL, conversation
 from tests.models.qwen3_moe.common import tiny_hf_model
 
@@ -134,8 +134,8 @@ def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir
                 expert = build_model(arch, tp=tp, ep=ep, etp=etp, pp=pp)
                 load_hf_weights(expert, {k: v * 1.1 for k, v in state.items()}, arch, layout)
             totals = dict(num_rollouts=len(local),
-                          num_assistant_tokens=float(sum(int(m.loss_mask.sum()) for m in mbs)),
-                          num_gated_tokens=float(sum(float(m.gate.sum()) for m in mbs)))
+                          num_assistant_tokens=float(sum(int(m.policy.loss_mask.sum()) for m in mbs)),
+                          num_gated_tokens=float(sum(float(m.policy.gate.sum()) for m in mbs)))
             outs = run_step(ddp, objective, mbs, build_pass_plan(mbs, ep=ep),
                             vocab_size=arch.vocab_size, expert_model=expert, **totals)
             loss = sum(o.loss for o in outs if o is not None)
@@ -155,7 +155,7 @@ def step_rank_fn(rank, world, layouts, state, hf_cfg, samples, obj_cfgs, tok_dir
                     grads[hf_name] = t
             per_cfg.append(dict(loss=loss, grads=grads, tp_rank=ctx.rank_in(Axis.TP),
                                 pp_rank=ctx.rank_in(Axis.PP),
-                                n_gated=int(sum(float(m.gate.sum()) for m in mbs))))
+                                n_gated=int(sum(float(m.policy.gate.sum()) for m in mbs))))
         results.append(per_cfg)
     return results
 

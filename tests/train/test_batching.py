@@ -25,7 +25,8 @@ import torch
 from megatron_tg.chat.builder import simulate_rollout
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.testing.distributed import run_distributed
-from megatron_tg.train.batching import TrainSample, build_micro_batch, pack
+from megatron_tg.sampling.train_sample import TrainSample
+from megatron_tg.train.batching import build_micro_batch, pack
 from tests.chat.convos import SEARCH_TOOL, conversation
 from tests.train.common import tiny_policy
 
@@ -213,7 +214,7 @@ def test_packed_and_unpacked_logprobs_equal_plain_forward(setup):
 
 def _rows_of_turn(mb, k, seg) -> list[int]:
     """Indices into the expert's [G, ...] outputs of the rows predicting ``seg``'s tokens."""
-    gated = mb.rows[mb.gate.nonzero().squeeze(1)].tolist()
+    gated = mb.rows[mb.policy.gate.nonzero().squeeze(1)].tolist()
     where = {flat: j for j, flat in enumerate(gated)}
     return [where[mb.student.flat(k, i - 1)] for i in range(seg.start, seg.end)]
 
@@ -227,7 +228,7 @@ def test_expert_logits_equal_hand_built_feedback_context(setup, mode):
     for tp, ranks in out.items():
         r = ranks[0]
         expert = r["expert"][mode]
-        assert expert.shape[0] == int(mb.gate.sum())
+        assert expert.shape[0] == int(mb.policy.gate.sum())
         for (k, t, ids, start), ref in zip(contexts[mode], r["reference"][mode]):
             seg = samples[k].rollout.turn(t)
             n = seg.end - seg.start
@@ -292,7 +293,7 @@ def _expected_rows(mb, samples, turns_of, with_thinking: bool) -> set[int]:
 
 
 def _gated(mb) -> set[int]:
-    return set(mb.rows[mb.gate.nonzero().squeeze(1)].tolist())
+    return set(mb.rows[mb.policy.gate.nonzero().squeeze(1)].tolist())
 
 
 def _check_expert_alignment(mb):
@@ -300,10 +301,10 @@ def _check_expert_alignment(mb):
     if mb.expert is None:
         assert mb.expert_rows.numel() == 0
         return
-    nz = mb.gate.nonzero().squeeze(1)
+    nz = mb.policy.gate.nonzero().squeeze(1)
     assert mb.expert_rows.numel() == nz.numel()
     etok = mb.expert.tokens.reshape(-1)
-    assert torch.equal(etok[mb.expert_rows + 1], mb.target_ids[nz])
+    assert torch.equal(etok[mb.expert_rows + 1], mb.policy.target_ids[nz])
     assert torch.equal(etok[mb.expert_rows], mb.student.tokens.reshape(-1)[mb.rows[nz]])
 
 
@@ -346,10 +347,10 @@ def test_gates_per_mode(gate_samples, expert_sequence):
 
     # grpo: nothing gated, no expert forward at all, whatever feedback the samples carry.
     m = mb_for(mode="grpo")
-    assert m.gate.sum() == 0 and m.expert_rows.numel() == 0 and m.expert is None
+    assert m.policy.gate.sum() == 0 and m.expert_rows.numel() == 0 and m.expert is None
     # tg with no failing turn: no expert either.
     m = mb_for([TrainSample(s.rollout, s.advantage, {}) for s in samples], mode="tg")
-    assert m.gate.sum() == 0 and m.expert is None
+    assert m.policy.gate.sum() == 0 and m.expert is None
 
 
 def test_expert_sequence_longer_than_row_budget(gate_samples):

@@ -103,13 +103,13 @@ def _compare_fn(rank, world, state, hf_cfg, samples, tok_dir, layouts):
         objective = TGObjective(obj_cfg, group=ctx.group(Axis.TP),
                                 reduce_hidden_grad=ops_reduce_hidden_grad(ddp))
         totals = dict(num_rollouts=float(len(local)),
-                      num_assistant_tokens=float(sum(int(m.loss_mask.sum()) for m in mbs)),
-                      num_gated_tokens=float(sum(float(m.gate.sum()) for m in mbs)))
+                      num_assistant_tokens=float(sum(int(m.policy.loss_mask.sum()) for m in mbs)),
+                      num_gated_tokens=float(sum(float(m.policy.gate.sum()) for m in mbs)))
         tp_group = ctx.group(Axis.TP)
 
         def logprobs(o, mb=mbs[0]):
             return fused_vocab_parallel_logprob(select_rows(o.hidden, mb.rows), o.output_weight,
-                                                mb.target_ids, tp_group,
+                                                mb.policy.target_ids, tp_group,
                                                 vocab_size=arch.vocab_size).clone()
 
         plan = build_pass_plan(mbs, ep=ep)

@@ -22,7 +22,7 @@ from megatron_tg.rollout.engine.routing import decode_routed_experts
 from megatron_tg.rollout.routed_experts import RoutedExpertsBuilder
 from megatron_tg.rollout.types import Rollout, Segment
 from megatron_tg.testing.distributed import run_distributed
-from megatron_tg.train.batching import TrainSample
+from megatron_tg.sampling.train_sample import TrainSample
 
 
 
@@ -145,7 +145,7 @@ def _replay_fn(rank, world, overrides, ro):
                                              mb.routed_layers, b, width):
             out = forward_hidden(trainer.model, mb.student)
             lp = fused_vocab_parallel_logprob(select_rows(out.hidden, mb.rows), out.output_weight,
-                                              mb.target_ids, trainer.ctx.group(Axis.TP),
+                                              mb.policy.target_ids, trainer.ctx.group(Axis.TP),
                                               vocab_size=trainer.arch.vocab_size)
         clear_replay(trainer.model)
         return lp
@@ -172,7 +172,7 @@ def _replay_fn(rank, world, overrides, ro):
                             sequence_parallel=trainer.gpt.config.sequence_parallel).view(-1)
     flips = sum(int((rec != engine[:, j].long().sort(-1).values).any(-1)[served].sum())
                 for j, rec in enumerate(recorded))
-    return dict(engine=mb.behaviour_logprobs, replay=with_replay, free=without, flips=flips,
+    return dict(engine=mb.policy.behaviour_logprobs, replay=with_replay, free=without, flips=flips,
                 token_layers=int(served.sum()) * len(recorded), perturbed=perturbed)
 
 

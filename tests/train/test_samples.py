@@ -14,7 +14,7 @@ from megatron_tg.chat import get_tiny_tokenizer
 from megatron_tg.chat.builder import simulate_rollout
 from megatron_tg.config.train import LoggingConfig
 from megatron_tg.judge.judge import CriterionResult, JudgeResult
-from megatron_tg.train.batching import TrainSample
+from megatron_tg.sampling.train_sample import TrainSample
 from megatron_tg.train.samples import (SampleRecorder, TurnStatsAccumulator, main, read_samples,
                                        steps_recorded)
 from tests.chat.convos import SEARCH_TOOL, conversation
@@ -103,13 +103,13 @@ def test_turn_stats_from_a_micro_batch(judged):
     tok, pairs, samples = judged
     mb = build_micro_batch(samples, tok, ObjectiveConfig(), row_tokens=4096)
     n = mb.rows.numel()
-    kl = torch.where(mb.gate > 0, torch.full((n,), 0.5), torch.zeros(n))
+    kl = torch.where(mb.policy.gate > 0, torch.full((n,), 0.5), torch.zeros(n))
     acc = TurnStatsAccumulator()
     acc.add(mb, samples, {"kl": kl, "is_weight": torch.full((n,), 2.0)})
     stats = acc.result()
     seg = samples[0].rollout.assistant_turns()[0]
     assert stats["r0"][0]["loss_tokens"] == seg.end - seg.start  # every generated token
-    assert stats["r0"][0]["gated_tokens"] == float((mb.gate > 0).sum()) > 0
+    assert stats["r0"][0]["gated_tokens"] == float((mb.policy.gate > 0).sum()) > 0
     assert stats["r0"][0]["kl_mean"] == 0.5 and stats["r0"][0]["is_weight_mean"] == 2.0
     assert stats["r0"][1]["gated_tokens"] == 0 and stats["r0"][1]["kl_mean"] is None
     assert all(t["gated_tokens"] == 0 for t in stats["r1"].values())

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from megatron_tg.judge.judge import CriterionResult, JudgeResult
 from megatron_tg.rollout.types import Rollout
 from megatron_tg.sampling.hinted import HintedTurn
-from megatron_tg.train.batching import TrainSample
+from megatron_tg.sampling.train_sample import TrainSample
 
 PROTOCOL = "tg-rollout/1"
 """Sent by both ends on connect; a service and a trainer that disagree refuse each other."""
