@@ -339,10 +339,20 @@ def copy_of(sb: "Sandbox") -> "Sandbox":
 def rmtree(path: str | os.PathLike) -> None:
     """Remove a workspace even if sandboxed code left unreadable / unwritable entries. The
     retry after an error never follows a link: ``chmod`` only acts on an entry ``lstat``
-    shows to be a real directory or file (a link there would chmod the host file it names)."""
+    shows to be a real directory or file (a link there would chmod the host file it names),
+    and only inside ``path``: an error on ``path`` itself (a top directory that will not go)
+    once made it chmod ``path``'s parent -- ``/tmp`` -- to 0700."""
+    top = os.path.abspath(path)
+
+    def inside(q: str) -> bool:
+        q = os.path.abspath(q)
+        return q == top or q.startswith(top + os.sep)
+
     def onerror(fn, p, exc):
         try:
             for q in (os.path.dirname(p), p):
+                if not inside(q):
+                    continue
                 st = os.lstat(q)
                 if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
                     os.chmod(q, 0o700)

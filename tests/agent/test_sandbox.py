@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -301,3 +302,20 @@ def test_unsandboxed_mode_needs_consent(monkeypatch):
         assert r.ok and r.output.split() == [d, os.path.realpath(d)]
     finally:
         rmtree(d)
+
+
+def test_rmtree_leaves_the_parent_of_what_it_removes_alone(tmp_path):
+    """An error on the removed path itself (it is gone already, or will not go) made the error
+    handler chmod the path's parent to 0700: a workspace under /tmp made /tmp private, and
+    every other user's tests (nobody, munge) failed after it."""
+    from megatron_tg.agent.sandbox import rmtree
+
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    os.chmod(parent, 0o1777)
+    rmtree(parent / "never-there")           # lstat of the top fails
+    ws = parent / "ws"
+    (ws / "sub").mkdir(parents=True)
+    (ws / "sub" / "f").write_text("x")
+    rmtree(ws)
+    assert not ws.exists() and stat.S_IMODE(os.stat(parent).st_mode) == 0o1777
