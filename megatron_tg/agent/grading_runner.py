@@ -629,6 +629,10 @@ def main() -> None:
     needs: set[str] = set()
     from _pytest.python import Function
     function_runtest = Function.runtest
+    try:
+        from _pytest.subtests import SubtestReport as subtest_report
+    except ImportError:  # pytest before 9: subtests were a plugin (not loaded here)
+        subtest_report = ()
 
     class Plugin:
         @pytest.hookimpl(tryfirst=True)
@@ -636,7 +640,7 @@ def main() -> None:
         # after each test: between a teardown's record and the next setup's nothing is
         # recorded, so a patch made and undone there cannot change a record.
         def pytest_runtest_logreport(self, report, _audit=sys.audit, _compare=compare, _base=base, _state=state,
-                                     _seen=seen, _ran=ran, _needs=needs):
+                                     _seen=seen, _ran=ran, _needs=needs, _subtest=subtest_report):
             _compare(_base, f"during {report.nodeid} ({report.when})", _state[0])  # before its record
             outcome = "error" if report.failed and report.when != "call" else report.outcome
             if report.when == "call" and outcome == "passed":
@@ -646,7 +650,9 @@ def main() -> None:
                                       + ("its call raised" if ran == "raised" else "the runner never saw it run"))
                 elif report.nodeid in _needs and report.nodeid not in _ran:
                     _audit("tg.flag", f"{report.nodeid} reported passed, but its test function was never called")
-            _audit("tg.emit", report.nodeid, report.when, outcome)
+            # a subtest's report (pytest's subtests fixture, unittest's subTest) is one of many
+            # for the call: "subtest", so that each test phase has exactly one record
+            _audit("tg.emit", report.nodeid, "subtest" if isinstance(report, _subtest) else report.when, outcome)
 
         @pytest.hookimpl(wrapper=True, trylast=True)  # the innermost wrapper: next to the test itself
         def pytest_runtest_call(self, item, _audit=sys.audit, _seen=seen, _problem=checks.item_problem,
