@@ -273,7 +273,7 @@ def verdict(task: Task, data: bytes | None, nonce: str, canaries: list, output: 
     if data is None:
         return fail("the test run wrote more evidence than the grader reads (or never closed it)")
     phases: dict[str, dict[str, str]] = {}
-    flags, done, stopped = [], False, None
+    flags, done, stopped, twice = [], False, None, None
     for line in data.decode("utf-8", "replace").splitlines():
         head, _, body = line.partition(" ")
         if head != nonce:
@@ -301,7 +301,7 @@ def verdict(task: Task, data: bytes | None, nonce: str, canaries: list, output: 
                 if RANK.get(got, 3) >= RANK.get(ph.get(when, "passed"), 3):
                     ph[when] = got
             elif when in ph:
-                return fail(f"the evidence holds two records for one phase ({rec['id']} {when})")
+                twice = twice or f"the evidence holds two records for one phase ({rec['id']} {when})"
             else:
                 ph[when] = got
         elif t == "done":
@@ -321,6 +321,8 @@ def verdict(task: Task, data: bytes | None, nonce: str, canaries: list, output: 
     results = {t: outcome(t) for t in task.required_tests}
     if flags:
         return fail(f"tampering detected: {flags[0]}", results, flags)
+    if twice:
+        return fail(twice, results)
     if not done:
         return fail(f"the test run did not finish ({stopped or 'stopped before its end'})", results)
     broken = sorted(n for n, ph in phases.items() if ph.get("collect") == "error")
