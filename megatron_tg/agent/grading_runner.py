@@ -181,7 +181,7 @@ def main() -> None:
                 return True
         return False
 
-    def disguised(code, g, _same=same_file) -> bool:
+    def disguised(code, g, _same=same_file, _mdict=type(sys).__dict__["__dict__"].__get__) -> bool:
         """Code claiming a library file (or a frozen module) that runs in a namespace which is
         not that module's: code compiled under the library's name and executed elsewhere (a
         dict of the solution's, or one with no ``__file__`` at all). The policy's."""
@@ -193,7 +193,11 @@ def main() -> None:
             return True
         if name.startswith("<frozen "):
             mod = dict.get(g, "__name__")
-            return not (type(mod) is str and name == f"<frozen {str.__str__(mod)}>")
+            if type(mod) is str and name == f"<frozen {str.__str__(mod)}>":
+                return False
+            # _collections_abc calls itself collections.abc: its own namespace all the same
+            real = sys.modules.get(name[len("<frozen "):-1])
+            return not (type(real) is type(sys) and _mdict(real) is g)
         f = dict.get(g, "__file__")
         if not isinstance(f, str):
             return True
@@ -611,8 +615,19 @@ def main() -> None:
             if added:
                 _busy.discard(me)
 
+    def referents(x, _busy=busy, _get=__import__("gc").get_referents):
+        """What ``x`` holds (a mappingproxy's mapping), read by the runner: not judged."""
+        me = getident()
+        added = me not in _busy
+        _busy.add(me)
+        try:
+            return _get(x)
+        finally:
+            if added:
+                _busy.discard(me)
+
     equality = _sibling("grading_equality")
-    checked = equality.install(classify, protected, disguised, realpath, rewrite, assert_run_by_policy)
+    checked = equality.install(classify, protected, disguised, realpath, rewrite, assert_run_by_policy, referents)
     checks = _sibling("grading_namespaces").build(classify, protected, ws, code_of, code_file, norm, checked,
                                                   equality.CMP_NAME, equality.CMP_ARG)
     compare = checks.compare
