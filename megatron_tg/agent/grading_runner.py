@@ -591,8 +591,9 @@ def main() -> None:
 
     def assert_run_by_policy(_busy=busy, _getframe=sys._getframe):
         """Where the policy's code called the module-level test function (or method) whose
-        assert is running, or None: a solution that calls a hidden test itself with guesses
-        and catches the failure has an oracle. Called by the comparison (frame 2 is the
+        assert is running, or None (any frame of the policy's below it, however many of
+        pytest's are between): a solution that calls a hidden test itself with guesses and
+        catches the failure has an oracle. Called by the comparison (frame 2 is the
         function running the assert); a function a test defines inside itself and hands to
         the solution is not a test."""
         me = getident()
@@ -602,15 +603,9 @@ def main() -> None:
             f = _getframe(2)
             if "<locals>" in f.f_code.co_qualname or kind(f.f_code.co_filename) != "trusted":
                 return None
-            f = f.f_back
-            while f is not None:
-                k = frame_kind(f)
-                if k == "solution":
-                    return culprit(f)
-                if k == "trusted":
-                    return None
-                f = f.f_back
-            return None
+            # Past trusted frames too (culprit's deep walk): pytest functions that call what
+            # they are given (CallInfo.from_call, pytest.raises(E, fn)) would hide the caller.
+            return culprit(f.f_back, deep=True)
         finally:
             if added:
                 _busy.discard(me)
