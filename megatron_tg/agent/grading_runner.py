@@ -34,10 +34,14 @@ import os
 import sys
 import threading
 
+import _imp
 import _posixsubprocess
+import _signal
 import _thread
 
-FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
+# f_code is the only frame attribute 3.11 audits (f_back, f_locals are not): a frame the
+# policy holds (a signal handler's argument) shows when its code is asked for.
+FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_code"})
 HEAP_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions", "sys.settrace",
                          "sys.setprofile", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
                          "sys.addaudithook", "code.__new__", "function.__new__", "os.killpg",
@@ -281,11 +285,16 @@ def main() -> None:
     threading._start_new_thread = start_new_thread
     runner_file = os.path.abspath(__file__)
     flags = [0]
+    flagged: set[str] = set()
 
     def flag(reason: str) -> None:
-        if flags[0] < 50:  # bounded: a flood of flags cannot fill the host's buffer
+        reason = str(reason)[:500]
+        # bounded: a flood of flags cannot fill the host's buffer; and each reason once, so
+        # that a walk repeating one (pytest rendering a traceback frame by frame) leaves room
+        if flags[0] < 50 and reason not in flagged:
             flags[0] += 1
-            emit({"t": "flag", "reason": str(reason)[:500]})
+            flagged.add(reason)
+            emit({"t": "flag", "reason": reason})
 
     def from_pytest(frame) -> bool:
         """A result may only come from this runner's plugin, called (through pluggy) by
@@ -315,7 +324,7 @@ def main() -> None:
     watch = HEAP_EVENTS | {"tg.emit", "tg.flag", "object.__getattr__", "object.__setattr__", "object.__delattr__",
                            "os.kill", "open", "os.listdir", "os.scandir", "compile", "subprocess.Popen", "os.system",
                            "os.exec", "os.posix_spawn", "os.spawn", "pty.spawn", "marshal.loads", "marshal.load",
-                           "exec", "tg.fork_exec"}
+                           "exec", "tg.fork_exec", "tg.signal", "tg.second_module"}
     hidden_names = frozenset(os.path.basename(p) for p in protected)
     import_frames = ("<frozen importlib", "<frozen zipimport")
     cwfr = sys.modules["importlib._bootstrap"]._call_with_frames_removed.__code__
@@ -436,6 +445,17 @@ def main() -> None:
         if event in HEAP_EVENTS:
             what = event
         elif event == "object.__getattr__" and args[1] in FRAME_ATTRS:
+            if args[1] == "f_code":  # the runner's own walks read it (some before they are busy)
+                me = getident()
+                if me in busy:
+                    return
+                busy.add(me)
+                try:
+                    mine = getframe(1).f_code.co_filename.startswith(runner_dir)
+                finally:
+                    busy.discard(me)
+                if mine:
+                    return
             what = f"frame access ({args[1]})"
         elif event == "object.__getattr__" and args[1] in ("__defaults__", "__kwdefaults__"):
             # the runner's state (a test function's defaults are the solution's to read:
@@ -544,6 +564,11 @@ def main() -> None:
                 what = f"compile under the name of {fn}"
         elif event == "tg.fork_exec":  # raised by the runner's wrapper: no audit event of its own
             what = f"process creation (_posixsubprocess.fork_exec {str(args[:1])[:200]})"
+        elif event == "tg.signal":  # the runner's wrapper of _signal.signal
+            what = f"a signal handler installed (signal {str(args[0])[:40]})"
+        elif event == "tg.second_module":  # the runner's wrapper of _imp.create_dynamic / create_builtin
+            what = f"a second copy of the C module {args[0]}"
+            anyone = True
         elif event in ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "pty.spawn"):
             what = f"process creation ({event} {str(args[:2])[:200]})"
         else:
@@ -588,6 +613,43 @@ def main() -> None:
 
     _posixsubprocess.fork_exec = fork_exec
     subprocess._fork_exec = fork_exec
+
+    # A signal handler is called with the interrupted frame (no audited event gives it, and
+    # f_back / f_locals are not audited on 3.11): from there the runner's main() and its
+    # writer are a walk away. Installing a handler goes through _signal.signal (signal.py's
+    # signal() calls it by attribute), wrapped here like fork_exec; its namespace is watched.
+    real_signal = _signal.signal
+
+    def signal_(signalnum, handler, _real=real_signal, _audit=sys.audit, _plain=(_signal.SIG_DFL, _signal.SIG_IGN)):
+        if not any(handler is p or (type(handler) is int and handler == p) for p in _plain):
+            _audit("tg.signal", signalnum)
+        return _real(signalnum, handler)
+
+    _signal.signal = signal_
+
+    # A second copy of a C module (importlib's module_from_spec of its spec, by the extension
+    # or the builtin importer) holds the real functions the wrappers above replaced in the
+    # first: every creation of a C module goes through these, and a name created twice is
+    # flagged, whoever asks (an honest import creates each C module once).
+    created = set(sys.modules)
+    real_dynamic, real_builtin = _imp.create_dynamic, _imp.create_builtin
+
+    def create_c_module(real, spec, *args, _audit=sys.audit, _created=created):
+        name = getattr(spec, "name", None)
+        name = str.__str__(name) if isinstance(name, str) else "?"
+        if name in _created:
+            _audit("tg.second_module", name)
+        mod = real(spec, *args)
+        _created.add(name)
+        return mod
+
+    def create_dynamic(spec, *args, _create=create_c_module, _real=real_dynamic):
+        return _create(_real, spec, *args)
+
+    def create_builtin(spec, _create=create_c_module, _real=real_builtin):
+        return _create(_real, spec)
+
+    _imp.create_dynamic, _imp.create_builtin = create_dynamic, create_builtin
 
     def assert_run_by_policy(_busy=busy, _getframe=sys._getframe):
         """Where the policy's code called the module-level test function (or method) whose

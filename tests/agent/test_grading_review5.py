@@ -121,3 +121,31 @@ def test_a_near_miss_is_a_different_value_of_the_same_type():
         c = near_miss(b, probe)
         assert type(c) is type(b) and c != b, (b, c)
     assert near_miss(float("inf"), probe) is None and near_miss(None, probe) is None
+
+
+# ---------------------------------------------------------------- frames and C modules
+# A signal handler installed only to read the frame it is called with: the handler itself,
+# not the read, is what a grade can see on 3.11 (f_back and f_locals raise no audit event).
+SIGNAL_HANDLER = ("import signal\n\n_got = []\nsignal.signal(signal.SIGUSR2, lambda n, f: _got.append(n))\n"
+                  "signal.raise_signal(signal.SIGUSR2)\n\n\ndef add(a, b):\n    return a + b\n")
+# Resetting a handler to the default is no handler: a solution may do that.
+SIGNAL_DEFAULT = "import signal\nsignal.signal(signal.SIGUSR2, signal.SIG_DFL)\n\n\ndef add(a, b):\n    return a + b\n"
+# The builtin importer makes a second _signal module whose signal() is the real one.
+FRESH_SIGNAL = ("import importlib.util\n\n_s = importlib.util.find_spec('_signal')\n"
+                "_m = importlib.util.module_from_spec(_s)\n_m.signal(12, lambda n, f: None)\n\n\n"
+                "def add(a, b):\n    return a + b\n")
+# A C module imported for the first time by the solution (decimal's _decimal): created once.
+FIRST_IMPORT = "import _decimal, _json, array\n\n\ndef add(a, b):\n    return int(_decimal.Decimal(a) + b)\n"
+
+
+@pytest.mark.parametrize("solution, flagged", [
+    (SIGNAL_HANDLER, "a signal handler installed (signal 12) from calc.py:4"),
+    (SIGNAL_DEFAULT, None),
+    (FRESH_SIGNAL, "a second copy of the C module _signal from calc.py:4"),
+    (FIRST_IMPORT, None)], ids=["handler", "default-handler", "fresh-signal-module", "first-import-of-c-modules"])
+def test_signal_handlers_and_second_c_modules_are_flagged(grader, solution, flagged):
+    g = grade(grader, {"calc.py": solution})
+    if flagged is None:
+        assert g.passed, (g.reason, g.flags, g.output[-2000:])
+    else:
+        assert not g.passed and g.reason == f"tampering detected: {flagged}", (g.reason, g.output[-2000:])
