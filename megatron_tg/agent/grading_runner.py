@@ -16,8 +16,9 @@ out of reach in principle; what it does is make each way in leave a mark before 
 2. a PEP 578 audit hook, reachable from no Python object, writes a ``flag`` record to the
    evidence pipe the moment code the policy wrote (a file its diff added or changed, or
    code compiled at run time) introspects frames or the heap, writes a code object,
-   traces, opens a test, runner or ``/proc`` file, signals another process, uses ctypes,
-   starts a process, or compiles source itself (under whatever file name);
+   traces, opens (or links to) a test, runner or ``/proc`` file, signals another process,
+   installs a signal handler, uses ctypes, starts a process, makes a second copy of a C
+   module, or compiles source itself (under whatever file name);
 3. the namespaces of builtins, pytest, ``_pytest``, pluggy and this runner are snapshotted
    before the run and compared as each test phase is reported and at the end: a
    patch there is a ``flag``, and so is the comparison's name in a test module's globals;
@@ -324,7 +325,7 @@ def main() -> None:
     watch = HEAP_EVENTS | {"tg.emit", "tg.flag", "object.__getattr__", "object.__setattr__", "object.__delattr__",
                            "os.kill", "open", "os.listdir", "os.scandir", "compile", "subprocess.Popen", "os.system",
                            "os.exec", "os.posix_spawn", "os.spawn", "pty.spawn", "marshal.loads", "marshal.load",
-                           "exec", "tg.fork_exec", "tg.signal", "tg.second_module"}
+                           "exec", "tg.fork_exec", "tg.signal", "tg.second_module", "os.symlink", "os.link"}
     hidden_names = frozenset(os.path.basename(p) for p in protected)
     import_frames = ("<frozen importlib", "<frozen zipimport")
     cwfr = sys.modules["importlib._bootstrap"]._call_with_frames_removed.__code__
@@ -536,6 +537,19 @@ def main() -> None:
                 if not (isinstance(p, str) and p and p[0] != "/" and os.path.basename(p) in hidden_names):
                     return
             what = f"{event} of {p!r}"
+        elif event == "os.symlink" or event == "os.link":
+            # A link to a hidden test under another name, opened relative to a directory
+            # descriptor (the open event does not show the descriptor): the link's target is
+            # judged as an open of it would be, its file name included.
+            p = args[0] if args else None
+            if isinstance(p, str):
+                p = str.__str__(p)
+            elif isinstance(p, (bytes, bytearray)):
+                p = os.fsdecode(b"".join((p,)))
+            if not isinstance(p, str) or not (sensitive_path(p) or os.path.basename(p) in hidden_names
+                                               or os.path.basename(norm(p)) in hidden_names):
+                return
+            what = f"a link to {p!r}"
         elif event == "compile":
             fn = args[1] if len(args) > 1 else None
             if isinstance(fn, str):

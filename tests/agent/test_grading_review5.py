@@ -149,3 +149,21 @@ def test_signal_handlers_and_second_c_modules_are_flagged(grader, solution, flag
         assert g.passed, (g.reason, g.flags, g.output[-2000:])
     else:
         assert not g.passed and g.reason == f"tampering detected: {flagged}", (g.reason, g.output[-2000:])
+
+
+# ---------------------------------------------------------------- links to the hidden tests
+# A link in /tmp with a name of its own, to a file that is no test: an honest solution's.
+HONEST_LINK = ("import os, tempfile\n\n_d = tempfile.mkdtemp()\nos.symlink(os.path.abspath(__file__), _d + '/me')\n"
+               "_fd = os.open(_d, os.O_RDONLY | os.O_DIRECTORY)\nos.close(os.open('me', os.O_RDONLY, dir_fd=_fd))\n\n\n"
+               "def add(a, b):\n    return a + b\n")
+# A relative link to the tests' directory, then the file under another name through a second link.
+RELATIVE_LINKS = ("import os\n\n_here = os.path.dirname(os.path.abspath(__file__))\n"
+                  "os.symlink(os.path.relpath(os.path.join(_here, 'tests'), '/tmp'), '/tmp/t')\n"
+                  "os.symlink('t/test_add.py', '/tmp/u')\n\n\ndef add(a, b):\n    return 0\n")
+
+
+def test_links_to_hidden_tests_are_flagged_and_other_links_are_not(grader):
+    g = grade(grader, {"calc.py": HONEST_LINK})
+    assert g.passed, (g.reason, g.flags, g.output[-2000:])
+    g = grade(grader, {"calc.py": RELATIVE_LINKS})
+    assert not g.passed and g.reason == "tampering detected: a link to 't/test_add.py' from calc.py:5", g.reason
