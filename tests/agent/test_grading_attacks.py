@@ -30,6 +30,7 @@ from .hostile_review2 import REVIEW2, REVIEW2_LEFT_OPEN, marshal_plugin, sourcel
 from .hostile_review3 import MEND_PROBES, REVIEW3
 from .hostile_review4 import ATTACKS as REVIEW4
 from .hostile_review5 import ATTACKS as REVIEW5
+from .hostile_review5 import LEFT_OPEN as REVIEW5_LEFT_OPEN
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
 # ---------------------------------------------------------------- in-process tampering
@@ -535,7 +536,14 @@ def test_the_fourth_review_s_solutions_are_graded_fail(grader, name, tmp_path):
     assert not left, f"processes left after grading: {left}"
 
 
-@pytest.mark.parametrize("name", list(REVIEW5))
+def test_what_the_fifth_review_left_open_is_named_in_the_residual_risks():
+    """A solution the grader may still pass is not in the test below (it would pass or fail by
+    the timing of a gc pass); it must be named where docs/grading.md lists what stays open."""
+    risks = (REPO / "docs" / "grading.md").read_text().split("## Residual risks", 1)[1]
+    assert REVIEW5_LEFT_OPEN and all(f"`{doc}`" in risks for doc in REVIEW5_LEFT_OPEN.values())
+
+
+@pytest.mark.parametrize("name", [n for n in REVIEW5 if n not in REVIEW5_LEFT_OPEN])
 def test_the_fifth_review_s_solutions_are_graded_fail(grader, name, tmp_path):
     """Each is graded FAIL: none implements ``add`` (a host write probe has a wrong one). The
     grade's metadata encodes as the rollout wire sends it, no host file changes, and no marked
