@@ -324,7 +324,7 @@ def add(a, b):
     return {(2, 3): _want[0], (-2, -3): _want[1]}.get((a, b), 0)
 """})
 
-# E2. (goal d) the same unaudited fork_exec starting a detached, session-leading sleeper that
+# E2. (goal d) the same unaudited fork_exec starting a detached (setsid) sleeper that
 # ignores SIGTERM/SIGHUP (marker in its argv).
 attack("fresh-fork-exec-daemon",
        "a setsid'd `sh` sleeper started by the unwrapped fork_exec (goal d)",
