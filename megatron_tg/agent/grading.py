@@ -54,6 +54,7 @@ MAX_FILES = 200_000
 OUTPUT_CHARS = 2000
 TEST_DIR_NAMES = frozenset({"tests", "test", "testing"})
 STARTUP_NAMES = frozenset({"conftest.py", "sitecustomize.py", "usercustomize.py"})
+SUBTEST = "subtest"  # the phase of a subtest's report: many per test, the worst kept
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 
@@ -272,7 +273,7 @@ def verdict(task: Task, data: bytes | None, nonce: str, canaries: list, output: 
     if data is None:
         return fail("the test run wrote more evidence than the grader reads (or never closed it)")
     phases: dict[str, dict[str, str]] = {}
-    flags, done, stopped = [], False, None
+    flags, done, stopped, twice = [], False, None, None
     for line in data.decode("utf-8", "replace").splitlines():
         head, _, body = line.partition(" ")
         if head != nonce:
@@ -290,7 +291,19 @@ def verdict(task: Task, data: bytes | None, nonce: str, canaries: list, output: 
         if t == "flag":
             flags.append(str(rec.get("reason")))
         elif t == "result":
-            phases.setdefault(rec["id"], {})[rec["when"]] = rec["outcome"]
+            # The runner writes one record per phase of a test (a subtest's each its own, as
+            # "subtest"). A second record for a phase was written by whoever else holds the
+            # nonce: kept, the last one would overwrite pytest's (a "passed" written after
+            # the real "failed").
+            ph = phases.setdefault(rec["id"], {})
+            when, got = rec["when"], rec["outcome"]
+            if when == SUBTEST:
+                if RANK.get(got, 3) >= RANK.get(ph.get(when, "passed"), 3):
+                    ph[when] = got
+            elif when in ph:
+                twice = twice or f"the evidence holds two records for one phase ({rec['id']} {when})"
+            else:
+                ph[when] = got
         elif t == "done":
             done = True
         elif t == "stopped":
@@ -308,6 +321,8 @@ def verdict(task: Task, data: bytes | None, nonce: str, canaries: list, output: 
     results = {t: outcome(t) for t in task.required_tests}
     if flags:
         return fail(f"tampering detected: {flags[0]}", results, flags)
+    if twice:
+        return fail(twice, results)
     if not done:
         return fail(f"the test run did not finish ({stopped or 'stopped before its end'})", results)
     broken = sorted(n for n, ph in phases.items() if ph.get("collect") == "error")

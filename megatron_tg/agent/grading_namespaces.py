@@ -25,7 +25,7 @@ import types
 ROOT_NAMES = ("pytest", "_pytest", "pluggy")
 RUNNER_PREFIX = "tg_runner_"  # the runner's sibling modules, as run.py registers them
 WATCHED_STDLIB = frozenset({"os", "posixpath", "json", "json.encoder", "ast", "threading", "subprocess",
-                            "_posixsubprocess"})
+                            "_posixsubprocess", "_signal", "signal", "_imp"})
 # Rebound by pytest itself during a run (its state, not code).
 VOLATILE = {"_pytest.assertion.util": ("_reprcompare", "_assertion_pass", "_config"), "builtins": ("_",),
             "threading": ("excepthook",), "_pytest.config.Config": ("_getini_unknown_type",),

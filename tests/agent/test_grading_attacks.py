@@ -29,6 +29,8 @@ from .conftest import NOBODY, REPO
 from .hostile_review2 import REVIEW2, REVIEW2_LEFT_OPEN, marshal_plugin, sourceless_pyc
 from .hostile_review3 import MEND_PROBES, REVIEW3
 from .hostile_review4 import ATTACKS as REVIEW4
+from .hostile_review5 import ATTACKS as REVIEW5
+from .hostile_review5 import LEFT_OPEN as REVIEW5_LEFT_OPEN
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
 # ---------------------------------------------------------------- in-process tampering
@@ -481,8 +483,8 @@ def test_the_sandbox_runs_the_runner_files_of_this_package(grader):
     assert g.passed, (g.reason, g.flags, g.output[-2000:])
 
 
-def _marked_processes() -> set[int]:
-    """Live processes carrying the fourth review's marker (a daemon it tried to leave)."""
+def _marked_processes(mark: bytes = b"tgrv4") -> set[int]:
+    """Live processes carrying a review's marker (a daemon it tried to leave)."""
     out = set()
     for p in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -494,7 +496,7 @@ def _marked_processes() -> set[int]:
                 cmd += f.read()
         except OSError:
             continue
-        if b"tgrv4" in cmd and st.split("State:")[1].split()[0] not in ("Z", "X"):
+        if mark in cmd and st.split("State:")[1].split()[0] not in ("Z", "X"):
             out.add(int(p))
     return out
 
@@ -530,6 +532,49 @@ def test_the_fourth_review_s_solutions_are_graded_fail(grader, name, tmp_path):
         assert spec["host_check"](ws, str(host)) is None
     deadline = time.monotonic() + 5
     while (left := _marked_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left after grading: {left}"
+
+
+def test_what_the_fifth_review_left_open_is_named_in_the_residual_risks():
+    """A solution the grader may still pass is not in the test below (it would pass or fail by
+    the timing of a gc pass); it must be named where docs/grading.md lists what stays open."""
+    risks = (REPO / "docs" / "grading.md").read_text().split("## Residual risks", 1)[1]
+    assert REVIEW5_LEFT_OPEN and all(f"`{doc}`" in risks for doc in REVIEW5_LEFT_OPEN.values())
+
+
+@pytest.mark.parametrize("name", [n for n in REVIEW5 if n not in REVIEW5_LEFT_OPEN])
+def test_the_fifth_review_s_solutions_are_graded_fail(grader, name, tmp_path):
+    """Each is graded FAIL: none implements ``add`` (a host write probe has a wrong one). The
+    grade's metadata encodes as the rollout wire sends it, no host file changes, and no marked
+    process outlives the grade."""
+    spec = REVIEW5[name]
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "victim").write_text("VICTIM\n")
+    os.chmod(host, 0o777)
+    os.chmod(host / "victim", 0o666)
+    ctx = {"host": str(host), "sandbox": grader.sandbox}
+    ws = tempfile.mkdtemp(prefix="tg-test-review5-")
+    before = _marked_processes(b"tgrv5")
+    try:
+        materialize(TASK, ws)
+        write_files(ws, spec["files"])
+        if spec["setup"]:
+            spec["setup"](ws, ctx)
+        grader.sandbox.adopt(ws, ws)
+        if spec["after_adopt"]:
+            spec["after_adopt"](ws, ctx)
+        g = asyncio.run(grader.grade(TASK, ws))
+    finally:
+        rmtree(ws)
+    assert not g.passed, (name, g.reason, g.flags, g.output[-2000:])
+    json.dumps(g.metadata(), ensure_ascii=False).encode()  # raises on what the wire cannot send
+    assert sorted(p.name for p in host.iterdir()) == ["victim"] and (host / "victim").read_text() == "VICTIM\n"
+    if spec["host_check"]:
+        assert spec["host_check"](ws, ctx) is None
+    deadline = time.monotonic() + 5
+    while (left := _marked_processes(b"tgrv5") - before) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"processes left after grading: {left}"
 
