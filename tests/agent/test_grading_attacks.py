@@ -501,39 +501,54 @@ def _marked_processes(mark: bytes = b"tgrv4") -> set[int]:
     return out
 
 
+def _grade_beside_a_host_victim(grader, tmp_path, files, mark: bytes, *, host_mode: int,
+                                before_adopt=None, after_adopt=None):
+    """Grade a hostile workspace beside a host directory holding one world-writable victim
+    file, then check what must hold whatever the verdict: the grade's metadata encodes as the
+    rollout wire sends it (JSON, UTF-8), the host directory is as it was, and no process
+    carrying ``mark`` outlives the grade. ``before_adopt`` / ``after_adopt(ws, host)`` shape
+    the workspace as the policy's tool calls would. Returns the grade and the host directory."""
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "victim").write_text("VICTIM\n")
+    os.chmod(host, host_mode)
+    os.chmod(host / "victim", 0o666)
+    ws = tempfile.mkdtemp(prefix="tg-test-hostile-")
+    before = _marked_processes(mark)
+    try:
+        materialize(TASK, ws)
+        write_files(ws, files)
+        if before_adopt:
+            before_adopt(ws, host)
+        grader.sandbox.adopt(ws, ws)
+        if after_adopt:
+            after_adopt(ws, host)
+        g = asyncio.run(grader.grade(TASK, ws))
+    finally:
+        rmtree(ws)
+    json.dumps(g.metadata(), ensure_ascii=False).encode()  # raises on what the wire cannot send
+    assert sorted(p.name for p in host.iterdir()) == ["victim"] and (host / "victim").read_text() == "VICTIM\n"
+    deadline = time.monotonic() + 5
+    while (left := _marked_processes(mark) - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left after grading: {left}"
+    return g, host
+
+
 @pytest.mark.parametrize("name", list(REVIEW4))
 def test_the_fourth_review_s_solutions_are_graded_fail(grader, name, tmp_path):
     """Each is graded FAIL: none implements ``add``, except a host write and a tree nested too
     deep (both refused), and a file name that is not UTF-8 beside a correct ``add`` (whose
     attack was on what carries the grade: it passes, and its name is escaped). The grade's
-    metadata encodes as the rollout wire sends it (JSON, UTF-8), no host file changes, and no
-    marked process outlives the grade."""
+    metadata encodes, no host file changes, and no marked process outlives the grade."""
     spec = REVIEW4[name]
-    host = tmp_path / "host"
-    host.mkdir()
-    (host / "victim").write_text("VICTIM\n")
-    os.chmod(host, 0o755)
-    os.chmod(host / "victim", 0o666)
-    ws = tempfile.mkdtemp(prefix="tg-test-review4-")
-    try:
-        materialize(TASK, ws)
-        write_files(ws, spec["files"])
-        grader.sandbox.adopt(ws, ws)
-        if spec["setup"]:
-            spec["setup"](ws, grader.sandbox, str(host))
-        before = _marked_processes()
-        g = asyncio.run(grader.grade(TASK, ws))
-    finally:
-        rmtree(ws)
+    setup = spec["setup"]
+    g, host = _grade_beside_a_host_victim(
+        grader, tmp_path, spec["files"], b"tgrv4", host_mode=0o755,
+        after_adopt=(lambda ws, host: setup(ws, grader.sandbox, str(host))) if setup else None)
     assert g.passed is (name == "non-utf8-name-in-metadata"), (name, g.reason, g.flags, g.output[-2000:])
-    json.dumps(g.metadata(), ensure_ascii=False).encode()  # raises on what the wire cannot send
-    assert sorted(p.name for p in host.iterdir()) == ["victim"] and (host / "victim").read_text() == "VICTIM\n"
     if spec["host_check"]:
-        assert spec["host_check"](ws, str(host)) is None
-    deadline = time.monotonic() + 5
-    while (left := _marked_processes() - before) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"processes left after grading: {left}"
+        assert spec["host_check"](None, str(host)) is None  # the workspace is gone
 
 
 def test_what_the_fifth_review_left_open_is_named_in_the_residual_risks():
@@ -546,37 +561,17 @@ def test_what_the_fifth_review_left_open_is_named_in_the_residual_risks():
 @pytest.mark.parametrize("name", [n for n in REVIEW5 if n not in REVIEW5_LEFT_OPEN])
 def test_the_fifth_review_s_solutions_are_graded_fail(grader, name, tmp_path):
     """Each is graded FAIL: none implements ``add`` (a host write probe has a wrong one). The
-    grade's metadata encodes as the rollout wire sends it, no host file changes, and no marked
-    process outlives the grade."""
+    grade's metadata encodes, no host file changes, and no marked process outlives the grade."""
     spec = REVIEW5[name]
-    host = tmp_path / "host"
-    host.mkdir()
-    (host / "victim").write_text("VICTIM\n")
-    os.chmod(host, 0o777)
-    os.chmod(host / "victim", 0o666)
-    ctx = {"host": str(host), "sandbox": grader.sandbox}
-    ws = tempfile.mkdtemp(prefix="tg-test-review5-")
-    before = _marked_processes(b"tgrv5")
-    try:
-        materialize(TASK, ws)
-        write_files(ws, spec["files"])
-        if spec["setup"]:
-            spec["setup"](ws, ctx)
-        grader.sandbox.adopt(ws, ws)
-        if spec["after_adopt"]:
-            spec["after_adopt"](ws, ctx)
-        g = asyncio.run(grader.grade(TASK, ws))
-    finally:
-        rmtree(ws)
+    ctx: dict = {"sandbox": grader.sandbox}
+
+    def hook(fn):  # the attack's hooks share one context, as the reviewer's harness gave them
+        return (lambda ws, host: fn(ws, ctx.setdefault("host", str(host)) and ctx)) if fn else None
+    g, host = _grade_beside_a_host_victim(grader, tmp_path, spec["files"], b"tgrv5", host_mode=0o777,
+                                          before_adopt=hook(spec["setup"]), after_adopt=hook(spec["after_adopt"]))
     assert not g.passed, (name, g.reason, g.flags, g.output[-2000:])
-    json.dumps(g.metadata(), ensure_ascii=False).encode()  # raises on what the wire cannot send
-    assert sorted(p.name for p in host.iterdir()) == ["victim"] and (host / "victim").read_text() == "VICTIM\n"
     if spec["host_check"]:
-        assert spec["host_check"](ws, ctx) is None
-    deadline = time.monotonic() + 5
-    while (left := _marked_processes(b"tgrv5") - before) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"processes left after grading: {left}"
+        assert spec["host_check"](None, {**ctx, "host": str(host)}) is None  # the workspace is gone
 
 
 @pytest.mark.parametrize("body", ['[1, 2]', '{"t": "result"}', '{"t": "result", "id": {"x": 1}, "when": null, "outcome": [1]}',
