@@ -1,0 +1,133 @@
+"""The trainer's step under context parallelism equals CP 1's on the same samples.
+
+``Trainer.train_step`` at ``parallel.cp=2`` (alone, with EP 2, with TP 2 and sequence
+parallelism) against one rank at CP 1: the same loss and metrics, and the same accumulated
+gradient by HF name after megatron's DDP has reduced it over DP x CP. The micro-batches carry
+the judged rollouts' feedback (the gated KL runs, with the expert pass over whole expert
+sequences: prefix reuse turns itself off under CP), routing replay and TIS. A forward pre-hook
+on the decoder records how many tokens each rank's decoder sees: every CP rank's student and
+expert passes get T_pad / CP tokens of each micro-batch, so a path that ran the whole sequence
+on every rank cannot pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tg.testing.distributed import run_distributed
+from tests.train.common import make_samples, tiny_policy
+
+pytestmark = pytest.mark.usefixtures("comm_rules")
+
+
+def _step(rank, world, overrides, samples):
+    from megatron.core import parallel_state as mps
+
+    from megatron_tg.config import load_config
+    from megatron_tg.models.qwen3_moe.mapping import current_layout, merge_tp_shards, to_hf
+    from megatron_tg.train.trainer import Trainer
+
+    trainer = Trainer(load_config("recipes/tiny_cpu.yaml", overrides))
+    seen: list[int] = []
+    hook = trainer.gpt.decoder.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(int(kw["hidden_states"].shape[0])), with_kwargs=True)
+    dp = trainer.ctx.dims.dp
+    dp_rank = mps.get_data_parallel_rank()
+    metrics = trainer.train_step(samples[dp_rank::dp] if dp > 1 else samples)
+    hook.remove()
+    layout = current_layout(model=trainer.gpt)
+    named = {}
+    for name, p in trainer.gpt.named_parameters():
+        g = p.main_grad.detach().clone()
+        expert = ".experts." in name
+        group = mps.get_expert_tensor_parallel_group() if expert else mps.get_tensor_model_parallel_group()
+        size = torch.distributed.get_world_size(group)
+        if size > 1 and getattr(p, "tensor_model_parallel", False):  # TP-merged, as HF holds it
+            shards = [torch.empty_like(g) for _ in range(size)]
+            torch.distributed.all_gather(shards, g, group=group)
+            g = merge_tp_shards(name, shards, trainer.arch, layout)
+        named.update(to_hf(name, g, trainer.arch, layout))
+    return dict(metrics=metrics, grads=named, decoder_tokens=seen, prefix_reuse=trainer.prefix_reuse,
+                cp_rank=mps.get_context_parallel_rank(), tp=trainer.ctx.dims.tp,
+                sequence_parallel=bool(trainer.gpt.config.sequence_parallel))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tok, cfg, state = tiny_policy()
+    d = tmp_path_factory.mktemp("policy")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: F401
+
+    from tests.models.qwen3_moe.common import tiny_hf_model
+
+    _cfg, model, _state = tiny_hf_model(vocab_size=len(tok))
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    samples = make_samples(tok, cfg, state)
+    base = [f"model.hf_config={d}", f"model.hf_checkpoint={d}", "model.seq_length=1024",
+            "rollout.max_context_tokens=1024", "objective.kl_coef=0.5", "optimizer.lr=1e-3",
+            "optimizer.micro_batch_tokens=4096"]
+    return base, samples
+
+
+@pytest.fixture(scope="module")
+def reference(setup, tmp_path_factory):
+    """CP 1 on one rank: as configured (prefix reuse on), and with prefix reuse off (the
+    passes CP runs, for the token counts)."""
+    base, samples = setup
+    out = {}
+    for reuse in (True, False):
+        run = tmp_path_factory.mktemp("cp1")
+        out[reuse] = run_distributed(_step, 1, base + [
+            f"objective.expert_prefix_reuse={str(reuse).lower()}", f"checkpoint.dir={run}/ckpt",
+            f"logging.run_dir={run}/run"], samples)[0]
+    return out
+
+
+LAYOUTS = {"cp2": (2, ["parallel.cp=2"]),
+           "cp2-ep2": (2, ["parallel.cp=2", "parallel.ep=2"]),
+           "cp2-tp2": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"])}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_cp_step_equals_cp1(setup, reference, name, tmp_path):
+    base, samples = setup
+    world, extra = LAYOUTS[name]
+    out = run_distributed(_step, world, base + extra + [f"checkpoint.dir={tmp_path}/ckpt",
+                                                        f"logging.run_dir={tmp_path}/run"], samples)
+    ref, passes = reference[True], reference[False]
+    assert ref["prefix_reuse"] and not passes["prefix_reuse"] and not any(o["prefix_reuse"] for o in out)
+    m, r = out[0]["metrics"], ref["metrics"]
+    assert m["kl/frac_gated"] > 0 and r["optim/grad_norm"] > 0
+    keys = [k for k in r if not k.startswith(("time/", "throughput/"))]
+    d_metrics = {k: abs(m[k] - r[k]) for k in keys}
+    grads = {}  # under EP each rank holds its experts: the union by HF name
+    for o in out:
+        grads.update({n: g for n, g in o["grads"].items() if n not in grads})
+    assert set(grads) == set(ref["grads"])
+    d_grad = {n: (grads[n] - g).abs().max().item() for n, g in ref["grads"].items()}
+    worst = max(d_grad, key=d_grad.get)
+    per_rank = [(o["cp_rank"], o["decoder_tokens"]) for o in out]
+    print(f"\n{name}: max |CP - CP1| loss {d_metrics['loss']:.3g}, metrics {max(d_metrics.values()):.3g} "
+          f"({max(d_metrics, key=d_metrics.get)}), grads {d_grad[worst]:.3g} ({worst}); decoder "
+          f"tokens per pass (rank: cp rank, passes): {per_rank}; CP 1: {passes['decoder_tokens']}")
+    torch.testing.assert_close(m["loss"], r["loss"], atol=2e-6, rtol=1e-5)
+    for k in keys:
+        assert m[k] == pytest.approx(r[k], rel=1e-4, abs=2e-6), k
+    for n, g in ref["grads"].items():
+        torch.testing.assert_close(grads[n], g, atol=3e-7, rtol=1e-4, msg=n)
+    # Every CP rank's decoder saw its share of every pass (the student's and the expert's,
+    # in the same order on every rank), and together they cover the padded sequence: each
+    # share is about half of CP 1's tokens (the pad to 2·CP per segment adds a few).
+    by_cp = {}
+    for o in out:
+        by_cp.setdefault(o["cp_rank"], o["decoder_tokens"])
+    assert sorted(by_cp) == [0, 1] and by_cp[0] == by_cp[1]
+    tp_split = out[0]["tp"] if out[0]["sequence_parallel"] else 1
+    full = passes["decoder_tokens"]  # [expert pass, student pass], as CP runs them
+    assert len(by_cp[0]) == len(full)
+    for share, whole in zip(by_cp[0], full):
+        assert whole / 2 <= share * tp_split < whole / 2 + 64, (share, whole)
+    # Prefix reuse off changes nothing but the cost (the expert's states are the same).
+    torch.testing.assert_close(passes["metrics"]["loss"], ref["metrics"]["loss"], atol=2e-6, rtol=1e-5)
