@@ -12,6 +12,8 @@ on every rank cannot pass.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -57,8 +59,6 @@ def _step(rank, world, overrides, samples):
 def setup(tmp_path_factory):
     tok, cfg, state = tiny_policy()
     d = tmp_path_factory.mktemp("policy")
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: F401
-
     from tests.models.qwen3_moe.common import tiny_hf_model
 
     _cfg, model, _state = tiny_hf_model(vocab_size=len(tok))
@@ -189,3 +189,33 @@ def test_a_cp2_checkpoint_resumes_at_cp1(setup, tmp_path, distopt):
     # Post-Adam weights are not compared element by element (Adam turns float noise on
     # near-zero gradients into lr-sized steps); the loss they give is.
     assert abs(b3["loss"] - b["loss"]) > 100 * abs(a3["loss"] - b3["loss"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                    reason="needs transformer-engine (the GPU extra)")
+def test_cp_step_on_te_equals_cp1(setup, tmp_path):
+    """The GPU twin of :func:`test_cp_step_equals_cp1` (the same ``_step``): TE's attention
+    with ``cp_comm_type="p2p"`` on the THD shares, NCCL, bf16. CP 2 on 2 GPUs against CP 1 on
+    one GPU: the loss within bf16 noise, and the gradients pointing the same way (cosine
+    similarity per parameter) with each rank's decoder input its share."""
+    base, samples = setup
+    gpu = ["model.transformer_impl=te", "parallel.backend=nccl", "model.params_dtype=bfloat16"]
+    runs = {}
+    for name, world, extra in (("cp1", 1, []), ("cp2", 2, ["parallel.cp=2"])):
+        runs[name] = run_distributed(_step, world, base + gpu + extra + [
+            f"checkpoint.dir={tmp_path}/{name}/ckpt", f"logging.run_dir={tmp_path}/{name}/run"],
+            samples, backend="nccl")
+    ref, out = runs["cp1"][0], runs["cp2"]
+    loss, loss1 = out[0]["metrics"]["loss"], ref["metrics"]["loss"]
+    cos = {n: torch.nn.functional.cosine_similarity(out[0]["grads"][n].float().flatten(),
+                                                    g.float().flatten(), dim=0).item()
+           for n, g in ref["grads"].items() if g.abs().sum() > 0}
+    print(f"\nTE CP 2 vs CP 1: loss {loss:.5g} vs {loss1:.5g}; lowest gradient cosine "
+          f"{min(cos.values()):.4f} ({min(cos, key=cos.get)}); decoder tokens "
+          f"{[o['decoder_tokens'] for o in out]} vs {ref['decoder_tokens']}")
+    assert loss == pytest.approx(loss1, rel=2e-2, abs=1e-3)
+    assert min(cos.values()) > 0.99
+    for o in out:
+        assert o["decoder_tokens"][-1] < ref["decoder_tokens"][-1]
