@@ -22,7 +22,10 @@ Trainer GPU (the most loaded pipeline stage; bytes per GPU):
   moves one micro-batch's back at its loss (:func:`megatron_tg.train.step.park`), so the GPU
   holds one micro-batch's and the host the step's: ``host_expert_states`` in the notes and
   JSON (the DP rank's rollouts of one step x max context, every token gated);
-* ``prefix_kv``    prefix reuse (shared expert, PP 1): the student's keys and values of every
+* ``cp_kv_exchange`` context parallelism: TE's p2p ring's send and receive buffers of this
+  rank's K and V for one layer (the activations above are already per CP share; the output
+  layer's input is gathered to every real token on every CP rank, as the loss reads it);
+* ``prefix_kv``    prefix reuse (shared expert, PP 1, CP 1): the student's keys and values of every
   layer of one micro-batch, kept by ``record_kv`` until the expert pass; under full recompute
   they are extra (otherwise autograd keeps the same tensors for the backward: in activations);
 * ``expert_copy``  objective.expert=frozen: its bf16 weights (0 otherwise);
@@ -181,8 +184,11 @@ def activation_bytes(arch: Qwen3Arch, dims: ParallelDims, tokens: int, recompute
         working = max(_layer_bytes_per_token(arch, dims, m, "none") * t_rank for m in set(kinds))
     else:
         stored, working = sum(kept), 0.0
-    # the last norm's output feeds the (chunked) output layer, gathered over SP
-    outside = BF16 * arch.hidden_size * t_rank  # on the last stage; counted as if on stage 0
+    # the last norm's output feeds the (chunked) output layer, gathered over SP; under CP the
+    # rank's share is then all-gathered over CP, so the loss reads every real token's states
+    # on every CP rank (train/policy.py)
+    gathered = tokens if dims.cp > 1 else 0
+    outside = BF16 * arch.hidden_size * (t_rank + gathered)  # last stage; counted as on stage 0
     return {"layers": stored * in_flight, "recompute_working_set": working, "output_input": outside}
 
 
@@ -261,13 +267,19 @@ def train_plan(cfg: TGConfig, arch: Qwen3Arch, dims: ParallelDims) -> RolePlan:
     chunk = min(cfg.objective.logits_chunk_size, mbt)
     kl = KL_BLOCKS * chunk * vpad / dims.tp * FP32
     guided = cfg.objective.mode not in ("grpo",)
-    expert_states = BF16 * arch.hidden_size * mbt / dims.cp if guided else 0.0
+    # The expert's states at the gated rows, gathered over CP like the student's: every CP
+    # rank keeps the micro-batch's (not its share's).
+    expert_states = BF16 * arch.hidden_size * mbt if guided else 0.0
+    # The trainer turns prefix reuse off under PP and under CP (train/trainer.py).
     prefix_reuse = (guided and cfg.objective.expert == "shared" and cfg.objective.expert_prefix_reuse
-                    and dims.pp == 1)
+                    and dims.pp == 1 and dims.cp == 1)
     r = cfg.rollout
-    step_tokens = r.prompts_per_step * r.group_size * r.max_context_tokens / dims.dp / dims.cp
+    step_tokens = r.prompts_per_step * r.group_size * r.max_context_tokens / dims.dp
     host_states = BF16 * arch.hidden_size * step_tokens if guided and not prefix_reuse else 0.0
     kv_local = max(arch.num_key_value_heads // dims.tp, 1)
+    # TE's p2p CP attention passes K/V chunks around the CP ring, double-buffered: a send and
+    # a receive buffer of this rank's K and V, for the layer being computed.
+    cp_kv = (2 * 2 * (mbt / dims.cp) * kv_local * arch.head_dim * BF16) if dims.cp > 1 else 0.0
     prefix_kv = (2 * (arch.num_layers // dims.pp) * mbt * kv_local * arch.head_dim * BF16
                  if prefix_reuse and cfg.model.recompute == "full" else 0.0)
     expert = wb * s.params if cfg.objective.expert == "frozen" else 0.0
@@ -278,7 +290,8 @@ def train_plan(cfg: TGConfig, arch: Qwen3Arch, dims: ParallelDims) -> RolePlan:
              "optimizer": opt_per_param * sharded, "activations": act["layers"],
              "recompute_working_set": act["recompute_working_set"],
              "output_layer_input": act["output_input"], "kl_chunks": kl,
-             "expert_states": expert_states, "prefix_kv": prefix_kv, "expert_copy": expert,
+             "expert_states": expert_states, "prefix_kv": prefix_kv, "cp_kv_exchange": cp_kv,
+             "expert_copy": expert,
              **ema, "weight_sync": sync, "runtime": RUNTIME_RESERVE_GIB * GIB}
     notes = [f"stage {s.pp_stage} of {dims.pp}: {s.dense_params:,} dense + {s.expert_params:,} "
              f"expert params per GPU; recompute={cfg.model.recompute}, micro-batch {mbt:,} tokens"]
@@ -367,14 +380,15 @@ def coverage_check_host_bytes(cfg: TGConfig, arch: Qwen3Arch, total_params: int)
             "snapshot_bytes": float(engines * BF16 * total_params)}
 
 
-# settings that shrink each term, for the refusal message. parallel.cp is not among them yet:
-# the trainer refuses cp > 1 until the loss side partitions over CP (docs/context-parallel.md).
+# settings that shrink each term, for the refusal message.
 FIXES = {
     "weights": "parallel.ep / parallel.tp / parallel.pp (shard the weights over more GPUs)",
     "gradients": "parallel.ep / parallel.tp / parallel.pp (fewer local parameters)",
     "optimizer": "parallel.use_distributed_optimizer=true or more trainer nodes (larger DP / expert-DP)",
-    "activations": "model.recompute=full, a smaller optimizer.micro_batch_tokens, or parallel.tp",
-    "recompute_working_set": "a smaller optimizer.micro_batch_tokens or parallel.tp",
+    "activations": "model.recompute=full, a smaller optimizer.micro_batch_tokens, parallel.cp or "
+                   "parallel.tp",
+    "recompute_working_set": "a smaller optimizer.micro_batch_tokens, parallel.cp or parallel.tp",
+    "cp_kv_exchange": "a smaller optimizer.micro_batch_tokens or parallel.tp",
     "output_layer_input": "a smaller optimizer.micro_batch_tokens",
     "kl_chunks": "a smaller objective.logits_chunk_size",
     "expert_states": "a smaller optimizer.micro_batch_tokens",

@@ -38,6 +38,7 @@ from megatron_tg.chat.framing import build_expert_sequences
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.objectives.batch import PolicyBatch
 from megatron_tg.objectives.guidance import build_gate
+from megatron_tg.parallel.cp import CPLayout
 from megatron_tg.rollout.types import Rollout
 from megatron_tg.sampling.hinted import hinted_rollout
 from megatron_tg.sampling.train_sample import TrainSample
@@ -53,10 +54,20 @@ class PackedRows:
     offsets: list[tuple[int, int]]  # per input sequence: (row, start column)
     cu_seqlens: torch.Tensor      # [segments + 1] int32, segment bounds in flat b·S + s order
     max_seqlen: int               # longest segment
+    _cp_layouts: dict = field(default_factory=dict, repr=False, compare=False)
 
     def flat(self, seq: int, pos: int) -> int:
         row, start = self.offsets[seq]
         return row * self.tokens.shape[1] + start + pos
+
+    def cp_layout(self, cp: int, *, tp: int = 1) -> CPLayout:
+        """How the flattened rows split over ``cp`` context-parallel ranks: every segment
+        (packed sequences and row paddings) padded to a multiple of ``2·cp``, the share a
+        multiple of ``tp`` (sequence parallelism); computed once per (cp, tp)."""
+        key = (cp, tp)
+        if self._cp_layouts.get(key) is None:
+            self._cp_layouts[key] = CPLayout.from_cu_seqlens(self.cu_seqlens, cp, tp=tp)
+        return self._cp_layouts[key]
 
     def packed_seq_params(self, device: torch.device | str | None = None):
         """megatron's ``PackedSeqParams`` for the flattened rows: one ``cu_seqlens`` tensor for

@@ -12,6 +12,17 @@ output layer's backward (a reduce-scatter that sums the TP ranks' partial gradie
 the ops are told not to all-reduce that gradient again (``reduce_hidden_grad=False``);
 without sequence parallelism the hidden states are replicated and the ops all-reduce it
 themselves (``reduce_hidden_grad=True``).
+
+Context parallelism (``parallel.cp > 1``, packed rows only): the micro-batch's segments are
+padded and split by :meth:`PackedRows.cp_layout` (:class:`~megatron_tg.parallel.cp.CPLayout`,
+megatron's and TE's load-balanced split), and the model sees only this rank's share: its
+token ids, its RoPE positions and the padded global bounds in ``PackedSeqParams``. The last
+stage's output-layer input comes back to the full real-order ``[B, S, H]`` by an all-gather
+over the CP group (:func:`~megatron_tg.parallel.cp.gather_tokens`; its backward
+reduce-scatters the gradient), so every CP rank computes the same loss on the same rows:
+each rank's parameter gradient is then CP times its tokens' share of the loss gradient, which
+megatron's DDP averages over DP x CP back to the loss gradient. What that costs: the output
+layer at the loss rows runs on every CP rank (docs/context-parallel.md).
 """
 
 from __future__ import annotations
@@ -64,10 +75,27 @@ def _hidden_mode(gpt):
         gpt.output_layer = layer
 
 
+def sp_size(gpt) -> int:
+    """TP when sequence parallelism splits each CP share over it, else 1."""
+    from megatron.core import parallel_state as mps
+
+    return mps.get_tensor_model_parallel_world_size() if gpt.config.sequence_parallel else 1
+
+
 def output_weight(gpt) -> torch.Tensor:
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()
     return gpt.output_layer.weight
+
+
+def cp_size() -> int:
+    """The context-parallel group's size (1 when megatron's parallel state has none)."""
+    from megatron.core import parallel_state as mps
+
+    try:
+        return mps.get_context_parallel_world_size()
+    except (AssertionError, AttributeError):  # parallel state not initialised (unit tests)
+        return 1
 
 
 def forward_hidden(model: torch.nn.Module, batch, position_ids: torch.Tensor | None = None
@@ -85,12 +113,25 @@ def forward_hidden(model: torch.nn.Module, batch, position_ids: torch.Tensor | N
     sends to the next stage (whose input comes from ``set_input_tensor``, not ``tokens``)."""
     gpt = unwrap(model)
     device = next(gpt.parameters()).device
-    if hasattr(batch, "packed_seq_params"):
+    layout = None
+    if hasattr(batch, "packed_seq_params") and cp_size() > 1:
+        from megatron.core import parallel_state as mps
+
+        shape = batch.tokens.shape
+        layout = batch.cp_layout(cp_size(), tp=sp_size(gpt))
+        r = mps.get_context_parallel_rank()
+        tokens = layout.split(layout.pad(batch.tokens.reshape(-1)), r)[None].to(device)
+        position_ids = layout.positions(r)[None].to(device)
+        params = layout.packed_seq_params(device)
+    elif hasattr(batch, "packed_seq_params"):
         shape = batch.tokens.shape
         tokens = batch.tokens.reshape(1, -1).to(device)
         position_ids = batch.position_ids.reshape(1, -1).to(device)
         params = batch.packed_seq_params(device)
     else:
+        if cp_size() > 1:
+            raise ValueError("context parallelism runs packed rows only (PackedRows), not a "
+                             "[B, S] token tensor")
         shape, tokens, params = batch.shape, batch.to(device), None
         if position_ids is None:
             position_ids = torch.arange(shape[1], device=device).expand(shape[0], -1)
@@ -101,6 +142,10 @@ def forward_hidden(model: torch.nn.Module, batch, position_ids: torch.Tensor | N
                             reduce_hidden_grad=not bool(gpt.config.sequence_parallel))
     with _hidden_mode(gpt) as layer:
         hidden = model(tokens, position_ids, None, packed_seq_params=params)  # [b, s, H]
+    if layout is not None:  # this rank's share [1, T_pad / CP, H] -> the real tokens [T, H]
+        from megatron.core import parallel_state as mps
+
+        hidden = layout.unpad(layout.gather(hidden[0], mps.get_context_parallel_group()))
     return HiddenOutput(hidden=hidden.reshape(*shape, hidden.shape[-1]),
                         output_weight=output_weight(gpt),
                         reduce_hidden_grad=not bool(layer.sequence_parallel))

@@ -66,6 +66,15 @@ def router_targets(ids: torch.Tensor, batch: int, seq: int, *, tp_rank: int = 0,
     return per_pos.reshape(-1, *ids.shape[1:])
 
 
+def cp_share_of_ids(layout, ids: torch.Tensor, rank: int) -> torch.Tensor:
+    """``[T, L, k]`` routed-expert ids of the real packed tokens -> this CP rank's ``[T_pad /
+    CP, L, k]``, split like the tokens (:class:`~megatron_tg.parallel.cp.CPLayout`). Pad tokens
+    get experts ``0 .. k-1`` (distinct, as a router's top-k is); their outputs reach no loss."""
+    k = ids.shape[-1]
+    fill = torch.arange(k, dtype=ids.dtype, device=ids.device).expand(layout.padded_tokens, *ids.shape[1:]).clone()
+    return layout.split(fill.index_copy(0, layout.pad_index.to(ids.device), ids), rank)
+
+
 @contextlib.contextmanager
 def replay_routing(model: torch.nn.Module, ids: torch.Tensor | None, layers: Sequence[int],
                    batch: int, seq: int) -> Iterator[None]:

@@ -46,9 +46,9 @@ import torch.distributed as dist
 from megatron_tg.objectives import LossOutput, TGObjective, select_rows
 from megatron_tg.train.batching import MicroBatch, PackedRows
 from megatron_tg.train.pass_plan import ExpertPass, PassPlan, build_pass_plan, has_expert
-from megatron_tg.train.policy import HiddenOutput, forward_hidden, unwrap
+from megatron_tg.train.policy import HiddenOutput, cp_size, forward_hidden, sp_size, unwrap
 from megatron_tg.train.prefix_kv import record_kv, reuse_kv
-from megatron_tg.train.routing import replay_backward, replay_routing
+from megatron_tg.train.routing import cp_share_of_ids, replay_backward, replay_routing
 
 
 class ExpertWeights(Protocol):
@@ -89,8 +89,16 @@ class MicroBatchResult:
 
 
 def _replay(model: torch.nn.Module, mb: MicroBatch):
-    # The model sees the packed rows as one THD sequence [1, B·S] (train/batching.py).
-    return replay_routing(model, mb.routed_experts, mb.routed_layers, 1, mb.student.tokens.numel())
+    # The model sees the packed rows as one THD sequence [1, B·S] (train/batching.py), or under
+    # context parallelism this rank's share of it (train/policy.py): the ids are split alike.
+    ids = mb.routed_experts
+    if ids is not None and cp_size() > 1:
+        from megatron.core import parallel_state as mps
+
+        layout = mb.student.cp_layout(cp_size(), tp=sp_size(unwrap(model)))
+        ids = cp_share_of_ids(layout, ids, mps.get_context_parallel_rank())
+    n = ids.shape[0] if ids is not None else mb.student.tokens.numel()
+    return replay_routing(model, ids, mb.routed_layers, 1, n)
 
 
 def _padding(mb: MicroBatch) -> MicroBatch:
@@ -192,6 +200,10 @@ def run_step(model: torch.nn.Module, objective: TGObjective, batches: Sequence[M
     if reuse and mps.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError("prefix reuse runs at pipeline size 1 only (build the micro-batches "
                          "with prefix_reuse=False under PP)")
+    if reuse and cp_size() > 1:
+        raise ValueError("prefix reuse runs at context-parallel size 1 only (the student's keys "
+                         "and values are split over CP; build the micro-batches with "
+                         "prefix_reuse=False)")
     mbs = [batches[p.source] if not p.padding else _padding(batches[0]) for p in plan]
     n = len(plan)
     last = unwrap(model).post_process

@@ -21,7 +21,6 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_tg.config.base import ConfigError
 from megatron_tg.config.schema import TGConfig
 from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
 from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
@@ -71,16 +70,6 @@ class Trainer:
 
         self.cfg = cfg
         p = cfg.parallel
-        if p.cp > 1:
-            # The model splits a packed micro-batch over CP when given one (parallel/cp.py,
-            # the CP attention), but nothing here builds one yet: every rank would run the
-            # whole sequence. Refused before any process group exists.
-            raise ConfigError(
-                f"parallel.cp={p.cp}: the trainer does not split micro-batches over context "
-                f"parallelism yet (train/batching.py pads rows to TP only, train/policy.py "
-                f"feeds every rank the full sequence; the loss, gated rows, routing replay, "
-                f"the expert pass and checkpoints are not partitioned over CP); use "
-                f"parallel.cp=1 (docs/context-parallel.md)")
         # One layout object from the config (checked against the model's shape), passed on.
         self.ctx = init_parallel(cfg.layout(LaunchEnv.from_env().world_size), seed=cfg.seed,
                                  backend=p.backend, timeout_s=cfg.timeouts.collective_s)
@@ -114,8 +103,16 @@ class Trainer:
         # Only the live-weight expert shares the student's keys/values, and only at PP = 1:
         # under PP the expert pass must reach the last stage before the student's loss there,
         # so it runs as its own schedule over whole expert sequences (docs/micro-batch.md §6).
+        # Nor under context parallelism: each CP rank holds a share of the student's keys and
+        # values, and the expert's suffix would need all of them (not built; the expert pass
+        # then runs over whole expert sequences, split over CP like the student's).
         self.prefix_reuse = (cfg.objective.expert == "shared" and cfg.objective.expert_prefix_reuse
-                             and self.ctx.dims.pp == 1)
+                             and self.ctx.dims.pp == 1 and self.ctx.dims.cp == 1)
+        if (cfg.objective.expert_prefix_reuse and cfg.objective.expert == "shared"
+                and self.ctx.dims.cp > 1 and self.ctx.rank == 0):
+            print(f"[train] objective.expert_prefix_reuse off: parallel.cp={self.ctx.dims.cp} "
+                  f"splits the student's keys and values over CP; the expert pass runs over "
+                  f"whole expert sequences (cost: docs/micro-batch.md, prefix reuse)", flush=True)
         self.objective = TGObjective(cfg.objective, group=self.ctx.group(Axis.TP),
                                      reduce_hidden_grad=ops_reduce_hidden_grad(self.model))
         tok_dir = cfg.model.tokenizer or cfg.model.hf_checkpoint or cfg.model.hf_config

@@ -29,7 +29,8 @@ from tests.models.qwen3_moe.common import TINY
 ROOT = Path(__file__).resolve().parents[2]
 HF = ROOT / "tests" / "fixtures" / "hf_configs"
 RECIPES = {"tg_30b": "qwen3-coder-30b-a3b-instruct.json", "tg_235b": "qwen3-235b-a22b.json",
-           "tg_480b": "qwen3-coder-480b-a35b-instruct.json"}
+           "tg_480b": "qwen3-coder-480b-a35b-instruct.json",
+           "tg_30b_128k": "qwen3-coder-30b-a3b-instruct.json"}
 SMALL = dict(TINY, model_type="qwen3_moe")
 LARGER = dict(SMALL, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, head_dim=32,
               moe_intermediate_size=128, intermediate_size=512, num_experts=8, vocab_size=2048)
@@ -280,3 +281,33 @@ def test_the_ema_expert_fits_every_recipe_term_by_term(recipe):
           + ", ".join(f"{k} {v / GIB:.2f}" for k, v in ema.items())
           + f"; host {plan.host.get('ema_shard', 0) / GIB:.2f}); replicated "
           f"{replicated.roles['train'].total / GIB:.2f}; gathers {t['gather_s']} s/step")
+
+
+def test_the_128k_recipe_under_cp_term_by_term():
+    """tg_30b_128k (131,072-token micro-batches, CP 2): the activations are one CP share's, the
+    output layer's input is the share plus every real token (gathered for the loss), the
+    expert states are the whole micro-batch's on every CP rank and parked on the host for the
+    step, prefix reuse is off (no store) and TE's p2p ring adds its K/V buffers; at CP 1 the
+    same micro-batch does not fit (without prefix reuse either)."""
+    from megatron_tg.config import load_config
+    from megatron_tg.launch.memory import GIB, memory_plan
+
+    over = [f"model.hf_config={HF / RECIPES['tg_30b_128k']}"]
+    path = str(ROOT / "recipes" / "tg_30b_128k.yaml")
+    cfg = load_config(path, over)
+    t, h, cp = 131072, 2048, 2
+    assert (cfg.parallel.cp, cfg.optimizer.micro_batch_tokens, cfg.rollout.max_context_tokens) == (cp, t, t)
+    plan = memory_plan(cfg).roles["train"]
+    one = memory_plan(load_config(path, over + ["parallel.cp=1", "parallel.nodes=2"])).roles["train"]
+    assert plan.fits() and plan.total / GIB < 0.9 * 79.6
+    assert plan.terms["prefix_kv"] == 0 and one.terms["prefix_kv"] > 0
+    assert plan.terms["activations"] == pytest.approx(one.terms["activations"] / cp)
+    assert plan.terms["output_layer_input"] == 2 * h * (t // cp + t)
+    assert plan.terms["expert_states"] == 2 * h * t == one.terms["expert_states"]
+    assert plan.terms["cp_kv_exchange"] == 2 * 2 * (t // cp) * (4 // 2) * 128 * 2
+    assert plan.host["expert_states"] == 32 * 32 * t / cfg.layout(32).dp * h * 2 == 64 * GIB
+    assert not one.fits()
+    refusal = memory_plan(load_config(path, over + ["parallel.cp=1", "parallel.nodes=2",
+                                                    "objective.expert_prefix_reuse=false"])).refusal()
+    assert refusal is not None
+    print(f"\n128k: CP 2 {plan.total / GIB:.2f} GiB, CP 1 {one.total / GIB:.2f} GiB; {refusal}")
