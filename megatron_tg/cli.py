@@ -25,6 +25,9 @@ class Subcommand(NamedTuple):
     """Dotted module path providing ``add_arguments`` and ``run``."""
     help: str
     """One line for ``megatron-tg --help``."""
+    attr: str = ""
+    """When a module holds several subcommands: the attribute that is this one (an object with
+    ``add_arguments`` and ``run``); empty: the module itself."""
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -39,21 +42,21 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "eval": Subcommand("megatron_tg.eval.command",
                        "held-out evaluation of a checkpoint: pass@1 and every criterion's rate "
                        "with confidence intervals (evaluation.*)"),
-    "describe": Subcommand("megatron_tg.models.describe",
+    "describe": Subcommand("megatron_tg.models.command",
                            "parameter counts and per-rank shard sizes of an HF Qwen3(-MoE) "
                            "config, built on the meta device"),
-    "memory": Subcommand("megatron_tg.launch.memory",
+    "memory": Subcommand("megatron_tg.launch.command",
                          "per-GPU memory plan of a recipe, term by term per role, and its time "
-                         "per step; exit 1 when it does not fit"),
-    "plan": Subcommand("megatron_tg.launch.plan",
+                         "per step; exit 1 when it does not fit", attr="memory"),
+    "plan": Subcommand("megatron_tg.launch.command",
                        "who runs where in a Slurm job: roles, GPUs, ports, servers, the trainer "
-                       "command (no Slurm calls)"),
+                       "command (no Slurm calls)", attr="plan"),
     "convert": Subcommand("megatron_tg.convert.command",
                           "convert checkpoints: hf-to-megatron or megatron-to-hf"),
     "vet": Subcommand("megatron_tg.judge.vetting",
                       "vet a rubric's feedback strings: does the model with the feedback "
                       "beat the model without it?"),
-    "demo": Subcommand("megatron_tg.demo.__main__",
+    "demo": Subcommand("megatron_tg.demo.command",
                        "the didactic main job on CPU: base model, GRPO / OPSD / TG, report"),
     "plot": Subcommand("megatron_tg.plot.command",
                        "draw runs' curves side by side (criterion rates, pass rate, entropy, KL)"),
@@ -73,8 +76,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=spec.help, description=spec.help)
         if name == chosen:
             module = importlib.import_module(spec.module)
-            module.add_arguments(p)
-            p.set_defaults(_run=module.run)
+            entry = getattr(module, spec.attr) if spec.attr else module
+            entry.add_arguments(p)
+            p.set_defaults(_run=entry.run)
     return parser
 
 

@@ -8,7 +8,7 @@
 #   bash slurm/tg_30b.sh [sbatch opts] [k=v ..]  outside Slurm: size --nodes from the plan, sbatch
 #   sbatch slurm/tg_30b.sh [k=v ..]              the batch job itself (DRY_RUN=1: plan only)
 #
-# Knobs (environment; empty = from the recipe through megatron_tg.launch.plan):
+# Knobs (environment; empty = from the recipe through megatron-tg plan):
 #   run       RECIPE, OVERRIDES ("k=v k=v", before the command line's), JOB_DIR
 #             (default runs/slurm/<job name>-<job id>), DRY_RUN=1
 #   sizes     TRAIN_NODES, ROLLOUT_NODES, JUDGE_NODES, GPUS_PER_NODE, ACCEL=gpu|cpu
@@ -32,7 +32,7 @@
 TG_EX_REQUEUE=75  # the trainer's "checkpointed, requeue me" exit status (EX_TEMPFAIL)
 TG_BASE_OVERRIDES=()  # the wrapper's own overrides (tg_tiny.sh: CPU), set after sourcing
 
-# The plan, as megatron_tg.launch.plan --format env writes it to $TG_JOB_DIR/plan.env.
+# The plan, as megatron-tg plan --format env writes it to $TG_JOB_DIR/plan.env.
 # Parallel arrays: TG_STEP_*[i] is srun step i, TG_SERVER_*[j] HTTP server j.
 TG_ACCEL="" TG_MASTER_ADDR="" TG_MASTER_PORT="" TG_SYNC_MASTER="" TG_ROUTER_URL="" TG_JUDGE_URL="" TG_KEY_FILE=""
 TG_TRAIN_ARGS=() TG_BLOCKERS=()
@@ -58,7 +58,7 @@ tg_defaults() {
   export PYTHON TG_ROOT
 }
 
-# Flags for megatron_tg.launch.plan, one group per concern; unset knobs stay with the recipe.
+# Flags for megatron-tg plan, one group per concern; unset knobs stay with the recipe.
 tg_plan_flags() {
   TG_PLAN_FLAGS=(--recipe "$RECIPE")
   local pair flag var
@@ -84,7 +84,7 @@ tg_collect_overrides() {
 tg_plan() {  # format [planner args...] -> stdout
   local format="$1"
   shift
-  "$PYTHON" -m megatron_tg.launch.plan "${TG_PLAN_FLAGS[@]}" --format "$format" "$@" -- "${TG_OVERRIDES[@]}"
+  "$PYTHON" -m megatron_tg.cli plan "${TG_PLAN_FLAGS[@]}" --format "$format" "$@" -- "${TG_OVERRIDES[@]}"
 }
 
 # ------------------------------------------------------------------ nodes

@@ -9,7 +9,10 @@ Imports are read from the source (``ast``), not by importing it: top-level and f
 module, to ``a.b``); the package ``__init__`` files Python runs on the way are not edges. A child
 importing its own parent package (``from . import x`` inside a package) is no circle.
 
-``python tests/test_architecture.py`` prints the circles and the layer violations it finds.
+``python tests/test_architecture.py [ROOT]`` prints the circles and the layer violations it
+finds, and the package's size (packages, modules, lines, the modules over 400 lines); ROOT is a
+directory holding a ``megatron_tg/`` (default: this checkout), e.g. an older commit's tree from
+``git archive``.
 """
 
 from __future__ import annotations
@@ -274,14 +277,30 @@ def test_no_module_calls_another_s_private_client_call():
     assert not found, f"private client calls outside the client: {found}"
 
 
+def size_figures(root: Path = ROOT, package: str = PACKAGE, limit: int = 400) -> list[str]:
+    """Packages (directories directly under the package), modules, lines, modules over
+    ``limit`` lines (largest first)."""
+    mods = find_modules(root, package)
+    lines = {m: len(p.read_text().splitlines()) for m, p in mods.items()}
+    pkgs = sorted(p.name for p in (root / package).iterdir() if (p / "__init__.py").is_file())
+    big = sorted(((n, m) for m, n in lines.items() if n > limit), reverse=True)
+    return [f"packages: {len(pkgs)} ({', '.join(pkgs)})",
+            f"modules: {len(mods)}, {sum(lines.values())} lines",
+            f"modules over {limit} lines: {len(big)}" + "".join(f"\n  {n:5d} {m}" for n, m in big)]
+
+
 if __name__ == "__main__":
-    g = build_graph()
+    root = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT
+    g = build_graph(root)
+    for line in size_figures(root):
+        print(line)
     for what, edges in (("runtime", g.runtime), ("runtime + TYPE_CHECKING", g.combined())):
         found = circles(edges)
         print(f"{what}: {len(found)} import circle(s), {sum(map(len, found))} modules")
         for c in found:
             print("  " + " <-> ".join(c))
-    bad = layer_violations(g.combined(), read_layers())
+    bad = layer_violations(g.combined(), read_layers(root / "docs" / "architecture.md")
+                           if (root / "docs" / "architecture.md").is_file() else read_layers())
     print(f"layer order: {len(bad)} import(s) against it")
     for line in bad:
         print("  " + line)

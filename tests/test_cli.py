@@ -114,7 +114,8 @@ def test_subcommand_help_shows_its_own_options():
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
 def test_every_subcommand_parses_its_own_options(name, capsys):
     """``megatron-tg NAME --help`` builds NAME's parser from its module's add_arguments and
-    prints its description; the parsed command dispatches to that module's run."""
+    prints its description; the parsed command dispatches to that module's run (or, for a
+    module holding two subcommands, to the named one's)."""
     from megatron_tg import cli as cli_mod
 
     with pytest.raises(SystemExit) as exit_:
@@ -126,7 +127,12 @@ def test_every_subcommand_parses_its_own_options(name, capsys):
     sub = next(a for a in parser._actions if a.dest == "command").choices[name]
     options = [a for a in sub._actions if a.dest != "help"]
     assert options, f"{name} registers no arguments"
-    assert sub.get_default("_run") is importlib.import_module(SUBCOMMANDS[name].module).run
+    spec = SUBCOMMANDS[name]
+    module = importlib.import_module(spec.module)
+    entry = getattr(module, spec.attr) if spec.attr else module
+    assert sub.get_default("_run") is entry.run
+    # Subcommands live in their package's command module (cli.py's own rule).
+    assert spec.module.endswith(".command"), spec.module
 
 
 def test_console_script_is_installed_and_runs():

@@ -6,5 +6,5 @@ whose new ``lines=`` argument the base model never uses without feedback.
 * :mod:`megatron_tg.demo.agent` — the rollout function the rollout manager runs;
 * :mod:`megatron_tg.demo.rl` — one RL run through the real TG loop;
 * :mod:`megatron_tg.demo.report` — summaries, tables, plot;
-* ``python -m megatron_tg.demo`` — the main job (:mod:`megatron_tg.demo.__main__`).
+* ``python -m megatron_tg.demo`` — the main job (:mod:`megatron_tg.demo.command`).
 """

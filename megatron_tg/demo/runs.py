@@ -1,4 +1,4 @@
-"""The main job's runs (:mod:`megatron_tg.demo.__main__`): its plans, one RL run as its own
+"""The main job's runs (:mod:`megatron_tg.demo.command`): its plans, one RL run as its own
 process, reused when finished with the same inputs, and the base model's conversion. In a
 module of their own because the suites the main job dispatches to (:mod:`.paper_suite`,
 :mod:`.phase`) run them too, and must not import the entry point that imports them.

@@ -47,35 +47,19 @@ line printed is JSON: the terms and ``total_gib`` per role, and the time plan
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megatron_tg.config import ConfigError, TGConfig, load_config
+from megatron_tg.config import ConfigError, TGConfig
 from megatron_tg.launch import ema_plan
+from megatron_tg.launch.engine_memory import engine_plan
+from megatron_tg.launch.memory_terms import (BF16, FP32, GIB, H100_MEMORY_GIB, KL_BLOCKS,
+                                             ROUTING_IMBALANCE, RUNTIME_RESERVE_GIB, RolePlan)
 from megatron_tg.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:  # the model module imports torch: only where a plan is computed
     from megatron_tg.models.qwen3_moe.config import Qwen3Arch
-
-GIB = 2 ** 30
-# nvidia-smi reports 81,559 MiB on an H100 SXM5 80GB; that is what a process can ask for.
-H100_MEMORY_GIB = 81_559 / 1024
-# Headroom for fragmentation of PyTorch's caching allocator and for estimates that are low:
-# a plan must leave 10 % of the GPU free.
-USABLE_FRACTION = 0.90
-# Assumed, not measured here: CUDA context (~0.5 GiB on H100), NCCL communicator buffers for
-# the TP/EP/DP/PP groups and the caching allocator's slack. The first GPU run must measure it.
-RUNTIME_RESERVE_GIB = 3.0
-# benchmarks/kl_memory.py: the ops' peak extra memory is about 4.3 blocks of chunk x V/TP fp32.
-KL_BLOCKS = 4.3
-# Expert tokens per rank relative to the balanced mean (dropless routing can exceed it). 1.0 is
-# the mean; the first GPU run must measure the peak.
-ROUTING_IMBALANCE = 1.0
-BF16, FP32 = 2, 4
-
 
 @dataclass(frozen=True)
 class Shard:
@@ -206,43 +190,6 @@ def korthikanti_layer_bytes(tokens: int, hidden: int, heads: int, tp: int, recom
     return sbh * (34 + 5 * heads * tokens / hidden) / tp
 
 
-@dataclass
-class RolePlan:
-    """The memory terms of one role's GPU, in bytes."""
-
-    role: str
-    terms: dict[str, float]
-    notes: list[str] = field(default_factory=list)
-    capacity_gib: float = H100_MEMORY_GIB
-    kv: dict[str, Any] = field(default_factory=dict)
-    """Engines only: KV-cache tokens, what the in-flight rollouts need, fit or queue."""
-    fixes: dict[str, str] = field(default_factory=dict)
-    """Per term, the setting that shrinks it here, where it differs from :data:`FIXES`."""
-    host: dict[str, float] = field(default_factory=dict)
-    """Bytes per GPU held in host memory (not GPU terms), e.g. parked expert states."""
-    usable_fraction: float = USABLE_FRACTION
-    """Share of the GPU the terms may take. Engines: 1.0, SGLang's reserve is one of the terms."""
-
-    @property
-    def total(self) -> float:
-        return sum(self.terms.values())
-
-    def fits(self) -> bool:
-        if self.kv and self.kv["rollouts_at_full_context"] < 1:
-            return False  # an engine must hold at least one whole rollout
-        return self.total <= self.usable_fraction * self.capacity_gib * GIB + 1  # + rounding
-
-    def largest(self) -> str:
-        return max(self.terms, key=self.terms.get)
-
-    def as_json(self) -> dict[str, Any]:
-        out = {"terms_gib": {k: round(v / GIB, 3) for k, v in self.terms.items()},
-               "total_gib": round(self.total / GIB, 3), "fits": self.fits(), "notes": self.notes}
-        if self.host:
-            out["host_gib"] = {k: round(v / GIB, 3) for k, v in self.host.items()}
-        return out
-
-
 def _in_flight(cfg: TGConfig, dims: ParallelDims, rollout_tokens: int) -> int:
     """Micro-batches a 1F1B schedule holds on stage 0: min(pp, micro-batches per step)."""
     r = cfg.rollout
@@ -318,66 +265,6 @@ def _stage_sizes(s: Shard) -> ema_plan.StageSizes:
 def planned_stage(cfg: TGConfig, arch: Qwen3Arch, dims: ParallelDims) -> ema_plan.StageSizes:
     """The most loaded stage's sizes, as :func:`train_plan` counts them (for the time plan)."""
     return _stage_sizes(max(rank_shards(arch, dims), key=lambda x: x.params))
-
-
-def sglang_default_mem_fraction(gpu_mib: float, tp: int) -> float:
-    """SGLang 0.5.23's default ``mem_fraction_static`` for an 80 GB-class GPU, restated from
-    ``sglang/srt/arg_groups/memory_hook.py`` (``handle_gpu_memory_settings``): reserve
-    512 MiB + 1.5 MiB x chunked-prefill tokens (8,192 on 60-90 GiB GPUs) + tp/8 GiB + 2 MiB x
-    decode CUDA-graph batch (256 below tp 4, else 512), at least 10 GiB. The launcher passes no
-    ``--mem-fraction-static``, so this is what the engines run with."""
-    reserved = 512 + 8192 * 1.5 + tp / 8 * 1024 + 2 * (256 if tp < 4 else 512)
-    reserved = max(reserved, 10 * 1024)
-    return round((gpu_mib - reserved) / gpu_mib, 3)
-
-
-def engine_plan(cfg: TGConfig, arch: Qwen3Arch, total_params: int,
-                mem_fraction: float | None = None) -> RolePlan:
-    r = cfg.rollout
-    tp = r.engine_tp
-    gpu_mib = H100_MEMORY_GIB * 1024
-    frac = sglang_default_mem_fraction(gpu_mib, tp) if mem_fraction is None else mem_fraction
-    weights = BF16 * total_params / tp
-    kv_heads = max(arch.num_key_value_heads / tp, 1)  # heads replicate past TP = groups
-    kv_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * BF16
-    pool = frac * gpu_mib * 2 ** 20 - weights
-    kv_tokens = max(int(pool // kv_per_token), 0)
-    inflight = r.max_inflight_rollouts or r.buffer_size * r.group_size
-    per_engine = math.ceil(inflight / max(r.num_engines, 1))
-    need = per_engine * r.max_context_tokens
-    concurrent = kv_tokens // r.max_context_tokens
-    terms = {"weights": weights, "kv_cache": max(pool, 0.0),
-             "sglang_reserved": (1 - frac) * gpu_mib * 2 ** 20}
-    verdict = "fit" if need <= kv_tokens else "queue"
-    notes = [f"mem_fraction_static={frac} ({'SGLang default' if mem_fraction is None else 'given'}); "
-             f"KV cache {kv_tokens:,} tokens per engine ({kv_per_token:,} B/token/GPU)",
-             f"in flight: {per_engine} rollouts per engine x {r.max_context_tokens:,} tokens = "
-             f"{need:,} tokens: {verdict} ({concurrent} rollouts at full context fit at once)"]
-    plan = RolePlan("engine", terms, notes, usable_fraction=1.0, kv={"kv_tokens": kv_tokens, "needed_tokens": need, "rollouts_at_full_context": concurrent,
-               "in_flight_per_engine": per_engine, "in_flight": verdict, "mem_fraction_static": frac})
-    if pool <= 0:
-        plan.notes.append(f"weights {weights / GIB:.1f} GiB exceed mem_fraction_static x GPU: "
-                          "raise rollout.engine_tp")
-    if r.sync_verify_coverage:
-        plan.kv["coverage_check"] = cov = coverage_check_host_bytes(cfg, arch, total_params)
-        plan.notes.append(
-            f"first-sync coverage check (rollout.sync_verify_coverage): per-tensor checksums, "
-            f"{cov['checksum_bytes'] / 2**20:.1f} MiB of host memory per rollout node "
-            f"(SGLang's snapshot -> compare would pin {cov['snapshot_bytes'] / 1e9:,.0f} GB there)")
-    return plan
-
-
-def coverage_check_host_bytes(cfg: TGConfig, arch: Qwen3Arch, total_params: int) -> dict[str, float]:
-    """Host memory of the first-sync coverage check on one rollout node (engines of
-    ``rollout.engine_tp`` GPUs packed on ``parallel.gpus_per_node``): the checksum reply (a
-    name and a 16-digit hash per tensor per TP rank, at most ~200 B with its JSON; the HF
-    tensor count bounds SGLang's, which fuses experts), against the snapshot SGLang's
-    ``compare`` needs (every TP rank's weights in bf16, the whole model per engine)."""
-    r = cfg.rollout
-    engines = max(cfg.parallel.gpus_per_node // r.engine_tp, 1)
-    tensors = arch.num_layers * (3 * max(arch.num_experts or 0, 1) + 12) + 3
-    return {"engines_per_node": engines, "checksum_bytes": float(engines * r.engine_tp * tensors * 200),
-            "snapshot_bytes": float(engines * BF16 * total_params)}
 
 
 # settings that shrink each term, for the refusal message.
@@ -485,55 +372,3 @@ def launch_check(cfg: TGConfig, world_size: int, accel: str,
         checkpoint.update(timeplan.checkpoint_plan(cfg, world_size, plan.total_params,
                                                    max(times["train_s"], times["generate_s"])))
     return notes + [line.strip() for line in timeplan.render(times) + ema_plan.render(plan.ema_time)]
-
-
-# --------------------------------------------------------------------------- command line
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", required=True, metavar="FILE", help="recipe YAML")
-    parser.add_argument("--world-size", type=int, metavar="N",
-                        help="trainer ranks (default: parallel.nodes x parallel.gpus_per_node)")
-    parser.add_argument("--mem-fraction-static", type=float, metavar="F",
-                        help="the engines' SGLang --mem-fraction-static (default: SGLang's own)")
-    from megatron_tg.launch import timeplan
-
-    timeplan.add_arguments(parser)
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
-
-
-def run(args: argparse.Namespace) -> int:
-    from megatron_tg.launch import timeplan
-
-    cfg = load_config(args.recipe, args.overrides)
-    plan = memory_plan(cfg, args.recipe, args.world_size, args.mem_fraction_static)
-    times = timeplan.time_plan(cfg, plan, timeplan.assumptions_from(args))
-    lay = plan.layout
-    print(f"memory plan: {args.recipe} {' '.join(args.overrides)}".rstrip())
-    print(f"model: {plan.total_params / 1e9:.2f}B params ({plan.active_params / 1e9:.2f}B active); "
-          f"trainer world {lay['world_size']}: tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} "
-          f"ep={lay['ep']} etp={lay['etp']} dp={lay['dp']} edp={lay['edp']}")
-    for role in plan.roles.values():
-        print(f"\n{role.role} GPU ({role.capacity_gib:.1f} GiB, plan must stay under "
-              f"{role.usable_fraction:.0%}):")
-        for name, value in role.terms.items():
-            print(f"  {name:<24} {value / GIB:9.2f} GiB")
-        print(f"  {'total':<24} {role.total / GIB:9.2f} GiB  {'fits' if role.fits() else 'DOES NOT FIT'}")
-        for note in role.notes:
-            print(f"  - {note}")
-    print()
-    for line in timeplan.render(times) + ema_plan.render(plan.ema_time):
-        print(line)
-    ckpt = timeplan.checkpoint_plan(cfg, lay["world_size"], plan.total_params,
-                                    max(times["train_s"], times["generate_s"]))
-    print(timeplan.render_checkpoint(ckpt))
-    refusal = plan.refusal()
-    if refusal:
-        print(refusal)
-    out = {"recipe": args.recipe, "layout": lay, "total_params": plan.total_params,
-           **{name: role.as_json() for name, role in plan.roles.items()},
-           "time": {**times, "ema": plan.ema_time},
-           "checkpoint": ckpt}
-    if "engine" in plan.roles:
-        out["engine"]["kv"] = plan.roles["engine"].kv
-    print(json.dumps(out))
-    return 0 if refusal is None else 1

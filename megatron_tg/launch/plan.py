@@ -1,8 +1,10 @@
 """Who runs where in a Slurm job: a recipe plus a node list resolved into roles, GPUs and ports.
 
-    python -m megatron_tg.launch.plan --recipe recipes/tg_30b.yaml --format text
-    python -m megatron_tg.launch.plan --recipe recipes/tg_30b.yaml --nodes 7 --format json
-    eval "$(python -m megatron_tg.launch.plan --recipe R --hosts n1,n2 --format env)"  # slurm/lib.sh
+    megatron-tg plan --recipe recipes/tg_30b.yaml --format text
+    megatron-tg plan --recipe recipes/tg_30b.yaml --nodes 7 --format json
+    python -m megatron_tg.cli plan --recipe R --hosts n1,n2 --format env   # slurm/lib.sh
+
+(the command line is :mod:`megatron_tg.launch.command`)
 
 Roles, in the order they take nodes from the allocation (the first node runs the batch
 script, so it is the first trainer node and MASTER_ADDR is local to it):
@@ -33,17 +35,13 @@ laptop and the batch script on the cluster print the same plan for the same node
 
 from __future__ import annotations
 
-import argparse
-import math
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 from megatron_tg.auth import KEY_NAME, SGLANG_CONFIG_NAME
-from megatron_tg.config import ConfigError, RolloutConfig, TGConfig, load_config
-from megatron_tg.launch.render import RENDERERS
+from megatron_tg.config import RolloutConfig, TGConfig, load_config
 from megatron_tg.launch.router_health import router_health
+from megatron_tg.launch.sizing import Sizes, check_usr1_lead, size_roles
 from megatron_tg.launch.spec import (  # noqa: F401 (the planner's API, re-exported)
     ACCELERATORS,
     DEFAULT_PORT_BASE,
@@ -55,36 +53,10 @@ from megatron_tg.launch.spec import (  # noqa: F401 (the planner's API, re-expor
     Server,
     Step,
 )
-from megatron_tg.parallel.dims import ParallelDims
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- planning
-
-@dataclass
-class _Sizes:
-    """Node counts per role and what they imply (``_size_roles``)."""
-
-    gpn: int
-    accel: str
-    train_nodes: int
-    world: int
-    dims: ParallelDims
-    want_engines: bool
-    engine: str
-    per_node: int
-    """Engines per rollout node (0: an engine spans ``span`` nodes)."""
-    span: int
-    rollout_nodes: int
-    judge_nodes: int
-    start_judge: bool
-    judge_needed: bool
-    judge_why: str
-    checkpoint: dict = field(default_factory=dict)
-    """The checkpoint plan (GPU plans whose model config is here): size, save and step time,
-    the USR1 lead time they need."""
-
 
 def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()) -> Plan:
     """Resolve ``recipe`` + ``overrides`` and the launcher's ``knobs`` into a :class:`Plan`.
@@ -92,8 +64,8 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
     cfg = load_config(recipe, overrides)
     notes: list[str] = []
     blockers: list[str] = []
-    z = _size_roles(cfg, knobs, notes)                                  # how many nodes each
-    _check_usr1_lead(z.checkpoint, knobs)                               # a warning long enough
+    z = size_roles(cfg, knobs, notes)                                  # how many nodes each
+    check_usr1_lead(z.checkpoint, knobs)                               # a warning long enough
     hosts, addrs, by_role = _assign_hosts(z, knobs)                     # which nodes
     addr_of = dict(zip(hosts, addrs))
     servers, steps, engine_urls, router_url = _place_rollout(cfg, z, knobs, by_role, addr_of, notes)
@@ -134,93 +106,7 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         timeouts=cfg.timeouts.table(cfg), checkpoint=z.checkpoint)
 
 
-def _size_roles(cfg: TGConfig, knobs: Knobs, notes: list[str]) -> _Sizes:
-    """Node counts of the train, rollout and judge roles, checked against the layout, the
-    engines' width and the allocation; the trainer's memory plan is checked here too."""
-    p = cfg.parallel
-    gpn = _positive("gpus_per_node", knobs.gpus_per_node, p.gpus_per_node)
-    accel = knobs.accel or ("cpu" if p.backend == "gloo" else "gpu")
-    _choice("accel", accel, ACCELERATORS)
-
-    min_world = ParallelDims.smallest_world(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
-    node_step = math.lcm(min_world, gpn) // gpn  # train node counts must be multiples of it
-    if knobs.train_nodes is not None:
-        train_nodes = _positive("train_nodes", knobs.train_nodes, None)
-    elif p.nodes is not None:
-        # The recipe's GPU count, on nodes of another size if gpus_per_node was changed.
-        train_nodes = math.ceil(math.ceil(p.nodes * p.gpus_per_node / gpn) / node_step) * node_step
-    else:
-        train_nodes = node_step
-    world = train_nodes * gpn
-    try:
-        dims = cfg.layout(world)
-    except ConfigError as exc:
-        raise PlanError(f"train: {train_nodes} nodes x {gpn} GPUs = {world} ranks do not fit the "
-                        f"layout ({exc}); use a multiple of {node_step} trainer nodes") from exc
-    checkpoint: dict = {}
-    notes += _memory_check(cfg, world, accel, checkpoint)
-
-    r = cfg.rollout
-    want_engines = r.engine == "sglang" and not r.server_urls
-    engine = knobs.engine or "sglang"
-    _choice("engine", engine, ENGINE_SERVERS)
-    tp = r.engine_tp
-    if not want_engines:
-        per_node, span = 1, 1
-    elif tp <= gpn:
-        if gpn % tp:
-            raise PlanError(f"rollout: rollout.engine_tp={tp} does not divide gpus_per_node={gpn}")
-        per_node, span = gpn // tp, 1
-    else:
-        if tp % gpn:
-            raise PlanError(f"rollout: rollout.engine_tp={tp} is not a multiple of gpus_per_node={gpn}")
-        per_node, span = 0, tp // gpn
-    min_rollout = span if want_engines else 0
-    recipe_rollout = (math.ceil(r.num_engines / per_node) if per_node else r.num_engines * span)
-
-    judge_needed, judge_why = _judge_needed(cfg)
-    external_judge = bool(knobs.judge_url) or cfg.judge.endpoint is not None
-    start_judge = judge_needed and not external_judge
-    judge_nodes = 0
-    if start_judge:
-        default_judge = math.ceil(knobs.judge_tp / gpn) if knobs.judge_tp else 1
-        judge_nodes = _positive("judge_nodes", knobs.judge_nodes, default_judge)
-    elif knobs.judge_nodes or knobs.judge_model:
-        notes.append(f"JUDGE_NODES/JUDGE_MODEL ignored: no judge server to start "
-                     f"({'external endpoint' if external_judge else judge_why})")
-
-    if not want_engines:
-        rollout_nodes = 0
-        if knobs.rollout_nodes:
-            raise PlanError(f"rollout: {knobs.rollout_nodes} rollout nodes asked for, but the recipe "
-                            f"starts no servers (rollout.engine={r.engine!r}, "
-                            f"{len(r.server_urls)} server_urls)")
-    elif knobs.rollout_nodes is not None:
-        rollout_nodes = knobs.rollout_nodes
-    elif knobs.nodes is not None:
-        rollout_nodes = knobs.nodes - train_nodes - judge_nodes  # the rest; checked below
-    else:
-        rollout_nodes = recipe_rollout
-    if want_engines and (rollout_nodes < min_rollout or rollout_nodes % span):
-        need = f"a multiple of {span}" if span > 1 else "at least 1"
-        source = ("ROLLOUT_NODES" if knobs.rollout_nodes is not None else
-                  f"what {knobs.nodes} nodes leave after train {train_nodes} + judge {judge_nodes}")
-        raise PlanError(f"rollout: {rollout_nodes} rollout nodes ({source}); engines of "
-                        f"rollout.engine_tp={tp} on {gpn}-GPU nodes need {need} (the recipe's "
-                        f"{r.num_engines} engines need {recipe_rollout}: "
-                        f"{train_nodes + judge_nodes + recipe_rollout} nodes in all)")
-    total = train_nodes + rollout_nodes + judge_nodes
-    if knobs.nodes is not None and knobs.nodes != total:
-        raise PlanError(f"nodes: the allocation has {knobs.nodes} nodes but the roles need {total} "
-                        f"(train {train_nodes} + rollout {rollout_nodes} + judge {judge_nodes}); "
-                        f"submit with --nodes={total} or change TRAIN_NODES/ROLLOUT_NODES/JUDGE_NODES")
-    return _Sizes(gpn=gpn, accel=accel, train_nodes=train_nodes, world=world, dims=dims,
-                  want_engines=want_engines, engine=engine, per_node=per_node, span=span,
-                  rollout_nodes=rollout_nodes, judge_nodes=judge_nodes, start_judge=start_judge,
-                  judge_needed=judge_needed, judge_why=judge_why, checkpoint=checkpoint)
-
-
-def _assign_hosts(z: _Sizes, knobs: Knobs) -> tuple[list[str], list[str], dict[str, list[str]]]:
+def _assign_hosts(z: Sizes, knobs: Knobs) -> tuple[list[str], list[str], dict[str, list[str]]]:
     """Hosts in allocation order, their addresses, and the hosts of each role (train first:
     the batch script runs on the first node)."""
     total = z.train_nodes + z.rollout_nodes + z.judge_nodes
@@ -244,7 +130,7 @@ def _add_step(steps: list[Step], servers: list[Server], knobs: Knobs, name: str,
         server.step = len(steps) - 1
 
 
-def _place_rollout(cfg: TGConfig, z: _Sizes, knobs: Knobs, by_role: dict[str, list[str]],
+def _place_rollout(cfg: TGConfig, z: Sizes, knobs: Knobs, by_role: dict[str, list[str]],
                    addr_of: dict[str, str], notes: list[str]
                    ) -> tuple[list[Server], list[Step], list[str], str]:
     """The engines on the rollout nodes and the router in front of them."""
@@ -289,7 +175,7 @@ def _place_rollout(cfg: TGConfig, z: _Sizes, knobs: Knobs, by_role: dict[str, li
     return servers, steps, engine_urls, router_url
 
 
-def _place_judge(cfg: TGConfig, z: _Sizes, knobs: Knobs, judge_hosts: list[str],
+def _place_judge(cfg: TGConfig, z: Sizes, knobs: Knobs, judge_hosts: list[str],
                  addr_of: dict[str, str], servers: list[Server], steps: list[Step],
                  blockers: list[str]) -> tuple[str, str, str]:
     """The judge server on its nodes (when the job starts one): its URL, model dir and name."""
@@ -344,7 +230,7 @@ def _place_service(cfg: TGConfig, knobs: Knobs, by_role: dict[str, list[str]],
     return servers[-1].url, [*train_args, "rollout.service=in_process"]
 
 
-def _trainer_args(recipe: str, overrides: Sequence[str], z: _Sizes, knobs: Knobs,
+def _trainer_args(recipe: str, overrides: Sequence[str], z: Sizes, knobs: Knobs,
                   engine_urls: list[str], judge_url: str, judge_name: str, sync_master: str,
                   router_url: str) -> list[str]:
     """The trainer's command line: the recipe, its overrides and what the plan decided."""
@@ -359,28 +245,6 @@ def _trainer_args(recipe: str, overrides: Sequence[str], z: _Sizes, knobs: Knobs
     if router_url:
         args.append(f"rollout.router_url={router_url}")
     return args
-
-
-def _memory_check(cfg: TGConfig, world: int, accel: str, checkpoint: dict) -> list[str]:
-    """Refuse a recipe that does not fit its GPUs (megatron_tg/launch/memory.py); its time plan
-    becomes notes, its checkpoint plan goes to ``checkpoint``. Imported here: it needs torch,
-    the rest of the planner does not."""
-    from megatron_tg.launch.memory import launch_check
-
-    return launch_check(cfg, world, accel, checkpoint)
-
-
-def _check_usr1_lead(ckpt: dict, knobs: Knobs) -> None:
-    """Refuse a job whose USR1 warning comes too late to finish a step and write a checkpoint."""
-    if not ckpt or knobs.usr1_lead_s is None or knobs.usr1_lead_s >= ckpt["usr1_lead_s"]:
-        return
-    raise PlanError(
-        f"usr1_lead: the job is warned {knobs.usr1_lead_s} s before its time limit "
-        f"(--signal=B:USR1@{knobs.usr1_lead_s}), but one step ({ckpt['step_s']:,} s) plus one "
-        f"checkpoint save ({ckpt['checkpoint_bytes'] / 1e9:,.0f} GB at {ckpt['write_gbps']:g} GB/s: "
-        f"{ckpt['save_s']:,} s) and the exit need {ckpt['usr1_lead_s']} s: submit with "
-        f"--signal=B:USR1@{ckpt['usr1_lead_s']} (USR1_LEAD={ckpt['usr1_lead_s']}), or set "
-        f"checkpoint.write_gbps_per_node to what the filesystem measures")
 
 
 def engine_flags(r: RolloutConfig, engine: str = "sglang") -> list[str]:
@@ -402,112 +266,3 @@ def engine_flags(r: RolloutConfig, engine: str = "sglang") -> list[str]:
     return flags
 
 
-def _judge_needed(cfg: TGConfig) -> tuple[bool, str]:
-    """Whether the rubric has LLM-judged criteria, and a sentence saying which."""
-    if cfg.judge.rubric is None:
-        return False, "no rubric"
-    path = Path(cfg.judge.rubric)
-    if not path.is_file() and not path.is_absolute() and (REPO_ROOT / path).is_file():
-        path = REPO_ROOT / path  # recipes give rubric paths relative to the repo root
-    if not path.is_file():
-        raise PlanError(f"judge.rubric: {cfg.judge.rubric!r} not found")
-    from megatron_tg.judge.rubric import load_rubric  # no torch; only when a rubric is set
-
-    llm = [c.name for c in load_rubric(path).llm_criteria()]
-    if not llm:
-        return False, f"rubric {cfg.judge.rubric} is rule-based"
-    return True, f"rubric {cfg.judge.rubric} has LLM-judged criteria ({', '.join(llm)})"
-
-
-def _positive(name: str, value: Optional[int], default: Optional[int]) -> int:
-    value = default if value is None else value
-    if value is None or value < 1:
-        raise PlanError(f"{name}: must be >= 1; got {value!r}")
-    return value
-
-
-def _choice(name: str, value: str, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise PlanError(f"{name}: must be one of {', '.join(choices)}; got {value!r}")
-
-
-# --------------------------------------------------------------------------- command line
-
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(x for x in text.replace(" ", ",").split(",") if x)
-
-
-DESCRIPTION = "Resolve a recipe and a node count into the roles of a Slurm job (no Slurm calls)."
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m megatron_tg.launch.plan", description=DESCRIPTION)
-    add_arguments(ap)
-    return ap
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--recipe", required=True, metavar="FILE", help="the recipe YAML the job trains")
-    ap.add_argument("--format", choices=sorted(RENDERERS), default="text",
-                    help="text: the table people read; json; env: what slurm/lib.sh sources")
-    sizes = ap.add_argument_group("sizes (default: from the recipe)")
-    sizes.add_argument("--nodes", type=int, help="nodes in the allocation; the rollout role takes the rest")
-    sizes.add_argument("--train-nodes", type=int, help="nodes of the trainer role (default: the recipe's parallel.nodes x gpus_per_node)")
-    sizes.add_argument("--rollout-nodes", type=int, help="nodes of the engines (default: what rollout.num_engines x engine_tp needs, or the rest of --nodes)")
-    sizes.add_argument("--judge-nodes", type=int, help="nodes of the judge server (default: judge TP / GPUs per node, at least 1; none without an LLM criterion or with --judge-url)")
-    sizes.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: parallel.gpus_per_node)")
-    sizes.add_argument("--accel", choices=ACCELERATORS, help="gpu (default), or cpu for the tiny CPU twin")
-    nodes = ap.add_argument_group("nodes")
-    nodes.add_argument("--hosts", type=_csv, help="node names in allocation order (default node1..nodeN)")
-    nodes.add_argument("--addrs", type=_csv, help="their addresses, same order (default: the names)")
-    servers = ap.add_argument_group("servers")
-    servers.add_argument("--engine", choices=ENGINE_SERVERS, help="rollout server: SGLang, or the embedded CPU engine")
-    servers.add_argument("--engine-model", help="HF directory the engines serve (default: model.hf_checkpoint)")
-    servers.add_argument("--router", type=int, choices=(0, 1), help="put an sglang-router in front of the engines (default: 1 for more than one SGLang engine)")
-    servers.add_argument("--judge-model", help="HF directory the judge node serves (an LLM-judged rubric needs it or --judge-url)")
-    servers.add_argument("--judge-name", help="model name the judge is asked for (OpenAI API)")
-    servers.add_argument("--judge-url", help="an already running judge (then no judge node)")
-    servers.add_argument("--judge-tp", type=int, help="tensor-parallel size of the judge server")
-    servers.add_argument("--service", type=int, choices=(0, 1),
-                         help="the rollout side as its own step (default: as rollout.service says)")
-    ap.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE,
-                    help="every port of the job is an offset from this (two jobs on one host stay apart)")
-    ap.add_argument("--usr1-lead", type=int, metavar="S",
-                    help="seconds before the time limit the job gets USR1 (its --signal=B:USR1@S); "
-                         "refused when shorter than one step plus one checkpoint save needs")
-    ap.add_argument("--job-dir", default="runs/slurm/JOB", help="per-job dir (default: a placeholder)")
-    ap.add_argument("--out-dir", help="also write plan.env, plan.txt and plan.json here (one planning "
-                                      "for all three: each Python start costs the batch job ~1 s)")
-    ap.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, as for the trainer")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
-
-
-def run(args: argparse.Namespace) -> int:
-    """``megatron-tg plan`` (the arguments of :func:`add_arguments`)."""
-    knobs = Knobs(
-        nodes=args.nodes, hosts=args.hosts, addrs=args.addrs, train_nodes=args.train_nodes,
-        rollout_nodes=args.rollout_nodes, judge_nodes=args.judge_nodes, gpus_per_node=args.gpus_per_node,
-        accel=args.accel, engine=args.engine, engine_model=args.engine_model,
-        router=None if args.router is None else bool(args.router), judge_model=args.judge_model,
-        judge_name=args.judge_name, judge_url=args.judge_url, judge_tp=args.judge_tp,
-        service=None if args.service is None else bool(args.service),
-        port_base=args.port_base, job_dir=args.job_dir, usr1_lead_s=args.usr1_lead)
-    try:
-        plan = make_plan(args.recipe, args.overrides, knobs)
-    except ConfigError as exc:  # PlanError too: one line naming the knob, no traceback
-        print(f"plan: error: {exc}", file=sys.stderr)
-        return 2
-    if args.out_dir:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for fmt, render in RENDERERS.items():
-            (out / f"plan.{'txt' if fmt == 'text' else fmt}").write_text(render(plan))
-    sys.stdout.write(RENDERERS[args.format](plan))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

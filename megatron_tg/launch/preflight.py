@@ -73,9 +73,9 @@ def reduce_overrides(recipe: str, gpus: int, overrides: Sequence[str] = (), judg
     out = [f"parallel.ep={ep}", "steps=1", "checkpoint.interval=1", "logging.progress_bar=false",
            "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.buffer_size=1",
            "rollout.max_new_tokens=64", "rollout.max_turns=2", "rollout.max_staleness=0"]
-    from megatron_tg.launch.plan import _judge_needed
+    from megatron_tg.launch.sizing import judge_needed
 
-    if _judge_needed(cfg)[0] and not (judge_url or cfg.judge.endpoint):
+    if judge_needed(cfg)[0] and not (judge_url or cfg.judge.endpoint):
         out.append(f"judge.rubric={RULE_RUBRIC}")
     return out
 

@@ -91,7 +91,7 @@ def render_env(plan: Plan) -> str:
     def array(name: str, values) -> str:
         return f"{name}=(" + " ".join(shlex.quote(str(v)) for v in values) + ")"
 
-    lines = ["# written by megatron_tg.launch.plan; one step per srun, one server per HTTP endpoint"]
+    lines = ["# written by megatron-tg plan; one step per srun, one server per HTTP endpoint"]
     lines += [scalar(k, v) for k, v in (
         ("TG_RECIPE", plan.recipe), ("TG_RUN_NAME", plan.run_name), ("TG_ACCEL", plan.accel),
         ("TG_NODES", plan.nodes), ("TG_GPUS_PER_NODE", plan.gpus_per_node),

@@ -1,4 +1,4 @@
-"""``megatron-tg describe``: parameter counts and per-rank shard sizes of a Qwen3(-MoE) config.
+"""Parameter counts and per-rank shard sizes of a Qwen3(-MoE) config.
 
 Two independent counts that must agree:
 - analytic, from the HF config alone (:func:`param_counts`): total parameters and *active*
@@ -8,14 +8,12 @@ Two independent counts that must agree:
   meta device (no memory) inside a fake process group of the requested world size, so the
   shard sizes are those the builder really produces under TP/EP/PP.
 
-The last line printed is JSON (``total_params``, ``active_params``, per-rank shards).
+``megatron-tg describe`` (:mod:`megatron_tg.models.command`) prints them; its last line is JSON (``total_params``, ``active_params``, per-rank shards).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 from typing import Any
 
 import torch
@@ -120,35 +118,3 @@ def describe(hf_config: Any, *, tp: int = 1, ep: int = 1, pp: int = 1,
         "padded_vocab_size": padded_vocab_size(arch.vocab_size, tp),
         "per_rank": stages,
     }
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hf-config", required=True,
-                        help="an HF config.json, or a model directory containing one")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size "
-                        "(default: same as --tp)")
-
-
-def _fmt(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))
-
-
-def run(args: argparse.Namespace) -> int:
-    info = describe(args.hf_config, tp=args.tp, ep=args.ep, pp=args.pp, etp=args.etp)
-    lay = info["layout"]
-    print(f"model: {info['model_type']}  experts: {info['num_experts']}  "
-          f"layout: tp={lay['tp']} ep={lay['ep']} etp={lay['etp']} pp={lay['pp']}")
-    print(f"total parameters:  {_fmt(info['total_params'])} ({info['total_params']:,})")
-    print(f"active per token:  {_fmt(info['active_params'])} ({info['active_params']:,})")
-    for s in info["per_rank"]:
-        print(f"pp stage {s['pp_stage']}: per rank {_fmt(s['params'])} params "
-              f"(dense {_fmt(s['dense_params'])}, experts {_fmt(s['expert_params'])}), "
-              f"{s['tensors']} tensors, {s['bytes'] / 2**30:.2f} GiB in bf16")
-    print(json.dumps(info))
-    return 0

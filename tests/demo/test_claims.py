@@ -230,7 +230,7 @@ def test_modified_rule_files_are_named(tmp_path):
 def test_seed_sets_and_the_seeds_argument():
     import argparse
 
-    from megatron_tg.demo.__main__ import seed_list
+    from megatron_tg.demo.command import seed_list
 
     assert C.seed_set((3, 4, 5, 6, 7), 25).startswith("held-out")
     assert "development seeds" in C.seed_set((0, 1, 2), 25)
@@ -313,7 +313,7 @@ def test_the_suite_s_rules_on_real_tiny_runs(tmp_path, monkeypatch, capsys):
 def test_the_one_command_reaches_the_suite_with_the_held_out_seeds(monkeypatch):
     """``python -m megatron_tg.demo --suite paper --seeds 3,4,5,6,7`` runs the suite on those
     seeds at the pre-registered length; a count keeps its old meaning."""
-    from megatron_tg.demo import __main__ as D
+    from megatron_tg.demo import command as D
 
     got = []
     monkeypatch.setattr(S, "run", lambda a, py, log: got.append(a) or 0)

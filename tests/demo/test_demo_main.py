@@ -231,7 +231,7 @@ def test_step_table_and_stability_line(tmp_path, capsys):
 
 
 def test_targets_can_fail():
-    from megatron_tg.demo import __main__ as D
+    from megatron_tg.demo import command as D
 
     good = {"criterion_rate": 0.9, "pass_rate": 0.95, "steps_to_0.8": 12}
     bad = {"criterion_rate": 0.0, "pass_rate": 0.95, "steps_to_0.8": None}
@@ -244,7 +244,7 @@ def test_targets_can_fail():
 
 
 def test_plans_make_a_fixed_grid_and_say_which_runs(tmp_path):
-    from megatron_tg.demo import __main__ as D
+    from megatron_tg.demo import command as D
     from megatron_tg.demo import runs
 
     default = ("forward", "ema")
@@ -284,7 +284,7 @@ def test_plans_make_a_fixed_grid_and_say_which_runs(tmp_path):
 
 
 def test_finished_runs_are_reused_only_with_the_same_inputs(tmp_path):
-    from megatron_tg.demo import __main__ as D
+    from megatron_tg.demo import command as D
     from megatron_tg.demo import runs
 
     plan, spec = D.QUICK, D.RunSpec("tg", "tg", 0)
@@ -305,7 +305,7 @@ def test_finished_runs_are_reused_only_with_the_same_inputs(tmp_path):
 
 
 def test_main_rejects_bad_arguments(capsys):
-    from megatron_tg.demo import __main__ as D
+    from megatron_tg.demo import command as D
 
     for argv, msg in ((["--steps", "2"], "--steps must be at least 3"),
                       (["--quick", "--full"], "not allowed with argument"),

@@ -140,7 +140,7 @@ def test_reversals_count_falls_between_windows():
 
 
 def test_suite_runs_and_arguments():
-    from megatron_tg.demo.__main__ import _bad_arguments, add_arguments
+    from megatron_tg.demo.command import _bad_arguments, add_arguments
 
     specs = S.run_specs((0, 1))
     assert len(specs) == 2 * len(S.RUNS) and len({s.name for s in specs}) == len(specs)

@@ -241,10 +241,12 @@ def test_json_and_text_rendering():
 
 
 def test_cli_errors_are_one_line_and_out_dir_writes_all_formats(tmp_path, capsys):
-    assert P.main(["--recipe", R235, "--train-nodes", "12"]) == 2
+    from megatron_tg.cli import main
+
+    assert main(["plan", "--recipe", R235, "--train-nodes", "12"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("plan: error: train: 12 nodes") and err.count("\n") == 1
-    assert P.main(["--recipe", R30, "--judge-model", "j", "--format", "env", "--out-dir", str(tmp_path)]) == 0
+    assert main(["plan", "--recipe", R30, "--judge-model", "j", "--format", "env", "--out-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out == (tmp_path / "plan.env").read_text()
     assert {p.name for p in tmp_path.iterdir()} == {"plan.env", "plan.txt", "plan.json"}
 
