@@ -53,7 +53,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                        "command (no Slurm calls)", attr="plan"),
     "convert": Subcommand("megatron_tg.convert.command",
                           "convert checkpoints: hf-to-megatron or megatron-to-hf"),
-    "vet": Subcommand("megatron_tg.judge.vetting",
+    "vet": Subcommand("megatron_tg.judge.command",
                       "vet a rubric's feedback strings: does the model with the feedback "
                       "beat the model without it?"),
     "demo": Subcommand("megatron_tg.demo.command",

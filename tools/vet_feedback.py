@@ -9,12 +9,12 @@ criterion's pass rate (CI above 0) without lowering the primary reward by more t
     python tools/vet_feedback.py --server http://host:30000 --tokenizer HF_DIR ...
 
 The procedure, the statistics and the flags are documented in
-:mod:`megatron_tg.judge.vetting` (``--help`` lists the flags).
+:mod:`megatron_tg.judge.command` (``--help`` lists the flags).
 """
 
 import sys
 
 if __name__ == "__main__":
-    from megatron_tg.judge.vetting import main
+    from megatron_tg.judge.command import main
 
     sys.exit(main())

@@ -254,7 +254,7 @@ def test_cli_with_tiny_model_and_embedded_engine(tok, tmp_path):
         pytest.skip("bubblewrap not installed: a model's own commands must run sandboxed")
     import yaml
 
-    from megatron_tg.judge.vetting import main
+    from megatron_tg.judge.command import main
     from tests.models.qwen3_moe.common import tiny_hf_model
 
     model_dir = tmp_path / "model"
