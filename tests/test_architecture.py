@@ -255,7 +255,8 @@ def test_imports_follow_the_documented_layer_order():
 
 def test_the_weight_path_does_not_import_the_embedded_engine():
     graph = _graph().combined()
-    for mod in ("rollout.client", "rollout.weight_client", "rollout.transport", "weight_sync.sync"):
+    for mod in ("rollout.client", "rollout.server_pool", "rollout.generation", "rollout.responses",
+                "rollout.weight_client", "rollout.transport", "weight_sync.sync"):
         engine = sorted(t for t in graph.get(f"{PACKAGE}.{mod}", ()) if t.startswith(f"{PACKAGE}.rollout.engine"))
         assert not engine, f"{mod} imports the embedded engine: {engine}"
 

@@ -38,6 +38,11 @@ Model::
 * **Checkpoints**: :meth:`state_dict` holds the data position, the counters and every
   in-flight prompt; after :meth:`load_state_dict` those prompts are generated again — none
   lost, none counted twice.
+
+Here: the lifecycle, staleness, and the trainer's side (``get_batch``, ``report_dropped``,
+weight updates). The producer (admission, the run of one group, :class:`RolloutGroup`) is
+:mod:`~megatron_tg.rollout.group_producer`; the drop reasons, counters, invariants and
+checkpoint state are :mod:`~megatron_tg.rollout.manager_accounting`.
 """
 
 from __future__ import annotations
@@ -47,53 +52,19 @@ import inspect
 import logging
 import time
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from megatron_tg.rollout.capacity import ToolSlots, env_workers
-from megatron_tg.rollout.client import SGLangClientError
-from megatron_tg.rollout.context import (EngineError, MalformedOutputError, RolloutContext, VersionGate,
-                                         WrongVersionError, request_seed)
-from megatron_tg.rollout.types import FramingError, Rollout, RolloutFormatError
+from megatron_tg.rollout.context import VersionGate
+from megatron_tg.rollout.group_producer import GroupProducer, PromptItem, RolloutFn, RolloutGroup
+from megatron_tg.rollout.manager_accounting import DROP_REASONS, ManagerAccounting
 
 log = logging.getLogger(__name__)
 
-DROP_REASONS = ("stale", "engine_error", "malformed", "judge_error", "rollout_error", "wrong_version")
-"""stale: too old for the trainer; engine_error: generation failed after retries; malformed:
-the engine's output or the built rollout is invalid; judge_error: reported by the trainer;
-rollout_error: the rollout function raised something else (a harness bug; logged);
-wrong_version: every answer to a turn came from an engine at another weight version (each
-such answer is also counted in ``wrong_version``, whether or not a retry saved the turn)."""
-STATE_FORMAT = 1
 _DELIVERED_KEEP = 4096  # delivered group ids remembered for report_dropped
 
-RolloutFn = Callable[[RolloutContext], Awaitable[Rollout]]
 
-
-@dataclass
-class _Item:
-    index: int  # data position (epoch * len(tasks) + task number)
-    attempt: int = 0  # > 0 when regenerated after going stale
-
-
-@dataclass
-class RolloutGroup:
-    group_id: str
-    index: int
-    task: Any
-    rollouts: list[Rollout]
-    version: int
-    """Oldest policy version of any turn of any rollout (staleness is judged on it)."""
-    newest_version: int
-    attempt: int = 0
-    """How many times this prompt was regenerated after going stale (stale_policy=regenerate)."""
-    gen_seconds: float = 0.0
-
-    def staleness(self, current_version: int) -> int:
-        return current_version - self.version
-
-
-class RolloutManager:
+class RolloutManager(GroupProducer, ManagerAccounting):
     def __init__(self, client, rollout_fn: RolloutFn, tasks: Sequence[Any], config, *,
                  sampling_params: dict[str, Any] | None = None, epochs: int | None = 1,
                  vocab_size: int | None = None, initial_version: int = 0, max_consecutive_failures: int = 16,
@@ -116,8 +87,8 @@ class RolloutManager:
         self._cond = asyncio.Condition()
         self._update_lock = asyncio.Lock()
         self._next = 0
-        self._requeue: deque[_Item] = deque()
-        self._running: dict[int, _Item] = {}
+        self._requeue: deque[PromptItem] = deque()
+        self._running: dict[int, PromptItem] = {}
         self._buffer: deque[RolloutGroup] = deque()
         self._delivered: OrderedDict[str, int] = OrderedDict()
         self._c: Counter = Counter()
@@ -169,161 +140,13 @@ class RolloutManager:
     async def __aexit__(self, *exc) -> None:
         await self.stop()
 
-    # ------------------------------------------------------------------ producer
-    def _total(self) -> int | None:
-        return None if self.epochs is None else len(self.tasks) * self.epochs
-
-    def _has_prompt(self) -> bool:
-        total = self._total()
-        return bool(self._requeue) or total is None or self._next < total
-
-    def _doomed(self) -> bool:
-        """Would a prompt started now be stale when the trainer next asks?"""
-        t = self._trainer_version
-        return t is not None and self._waiters == 0 and self.version < t + 1 - self.cfg.max_staleness
-
-    def _can_admit(self) -> bool:
-        return (self._rollouts_running + self.cfg.group_size <= self.max_inflight_rollouts
-                and len(self._buffer) < self.cfg.buffer_size and self._has_prompt() and not self._doomed()
-                and not self._enough_for_one_step())
-
-    def _enough_for_one_step(self) -> bool:
-        """Fully on-policy (max_staleness=0): every group of this version beyond one step's
-        worth would be stale before the trainer could use it, so none is started. This also
-        makes the data of each step exactly the next prompts_per_step prompts, whatever the
-        timing (what a reproducible, resumable run needs)."""
-        return (self.cfg.max_staleness == 0
-                and len(self._buffer) + len(self._running) >= self.cfg.prompts_per_step)
-
-    async def _produce(self) -> None:
-        try:
-            while True:
-                async with self._cond:
-                    await self._cond.wait_for(lambda: self._stopping or self._can_admit())
-                    if self._stopping:
-                        return
-                    if self._requeue:
-                        item = self._requeue.popleft()
-                    else:
-                        item = _Item(self._next)
-                        self._next += 1
-                        self._c["taken"] += 1
-                    self._running[item.index] = item
-                    self._rollouts_running += self.cfg.group_size
-                t = asyncio.create_task(self._run_group(item))
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # a manager bug: surface it to the trainer, don't hang
-            log.exception("rollout producer failed")
-            self._error = e
-            async with self._cond:
-                self._cond.notify_all()
-
-    def _task_id(self, task: Any, index: int) -> str:
-        tid = getattr(task, "id", None) or (task.get("id") if isinstance(task, dict) else None)
-        return str(tid) if tid else f"task{index % len(self.tasks)}"
-
-    async def _run_group(self, item: _Item) -> None:
-        task = self.tasks[item.index % len(self.tasks)]
-        gid = f"{self._task_id(task, item.index)}@{item.index}" + (f".r{item.attempt}" if item.attempt else "")
-        t0 = time.monotonic()
-        start_version = self.version
-        base_seed = self.cfg.sampling_seed
-        # Seeds depend on the data position and rollout index, not on the attempt: a group
-        # regenerated on the same weights (after a resume) samples the same tokens.
-        ctxs = [RolloutContext(self.client, task, group_id=gid, rollout_id=f"{gid}/{i}", index=i, gate=self.gate,
-                               sampling_params=self.sampling_params, max_aborts=self.cfg.max_retries,
-                               vocab_size=self.vocab_size, routing=self.routing, tools=self.tool_slots,
-                               seed=None if base_seed is None else request_seed(base_seed, item.index, i))
-                for i in range(self.cfg.group_size)]
-        subs = [asyncio.create_task(self.rollout_fn(c)) for c in ctxs]
-        pending = set(subs)
-        try:
-            return await self._finish_group(item, task, gid, t0, start_version, ctxs, subs, pending)
-        finally:  # discarded answers count whatever became of the group
-            self._c["wrong_version"] += sum(c.wrong_version for c in ctxs)
-
-    async def _finish_group(self, item, task, gid, t0, start_version, ctxs, subs, pending) -> None:
-        try:
-            failed: BaseException | None = None
-            while pending and failed is None:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                async with self._cond:  # each finished rollout frees an engine slot at once
-                    self._rollouts_running -= len(done)
-                    self._cond.notify_all()
-                for s in done:
-                    if s.cancelled():
-                        failed = failed or RuntimeError("rollout task cancelled")
-                    elif s.exception() is not None:
-                        failed = failed or s.exception()
-            if pending:  # one rollout failed: the whole group is dropped
-                for s in pending:
-                    s.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-                async with self._cond:
-                    self._rollouts_running -= len(pending)
-                    self._cond.notify_all()
-                pending = set()
-            if failed is not None:
-                raise failed
-            rollouts = [s.result() for s in subs]
-            for ctx, r in zip(ctxs, rollouts):
-                if not isinstance(r, Rollout):
-                    raise TypeError(f"rollout function returned {type(r).__name__}, not Rollout")
-                r.group_id, r.rollout_id = gid, r.rollout_id or ctx.rollout_id
-                if ctx.routed is not None and r.routed_experts is None:
-                    r.routed_experts = ctx.routed.for_rollout(r.token_ids)
-                r.validate(self.vocab_size)
-        except asyncio.CancelledError:  # stop(): the prompt stays in _running; stop() requeues it
-            for s in pending:
-                s.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            raise
-        except Exception as e:
-            reason = _reason(e)
-            (log.error if reason == "rollout_error" else log.warning)(
-                "dropping group %s (%s): %s: %s", gid, reason, type(e).__name__, e,
-                exc_info=reason == "rollout_error")
-            async with self._cond:
-                self._running.pop(item.index, None)
-                self._drop(reason)
-                self._failures_in_a_row += 1
-                if self._failures_in_a_row >= self.max_consecutive_failures and self._error is None:
-                    self._error = RuntimeError(f"{self._failures_in_a_row} groups in a row failed; the last "
-                                               f"({reason}): {type(e).__name__}: {e}")
-                    self._stopping = True  # stop taking prompts: they would all be dropped
-                self._cond.notify_all()
-            return
-        versions = [s.policy_version for r in rollouts for s in r.assistant_turns()]
-        spanned = [v for r in rollouts for s in r.assistant_turns() for v in s.meta.get("versions", ())]
-        group = RolloutGroup(gid, item.index, task, rollouts, min(versions, default=start_version),
-                             max(versions + spanned, default=start_version), item.attempt, time.monotonic() - t0)
-        async with self._cond:
-            self._running.pop(item.index, None)
-            self._failures_in_a_row = 0
-            self._c["rollouts"] += len(rollouts)
-            self._c["turns"] += sum(r.num_turns for r in rollouts)
-            self._c["tokens_generated"] += sum(sum(s.end - s.start for s in r.assistant_turns()) for r in rollouts)
-            ref = max(self.version, self._trainer_version or 0)
-            if self._is_stale(group, ref):
-                self._stale(group)
-            else:
-                self._buffer.append(group)
-            self._cond.notify_all()
-
     # ------------------------------------------------------------------ staleness / drops
     def _is_stale(self, g: RolloutGroup, current_version: int) -> bool:
         return g.version < current_version - self.cfg.max_staleness
 
-    def _drop(self, reason: str) -> None:
-        self._c["dropped"] += 1
-        self._c[f"dropped_{reason}"] += 1
-
     def _stale(self, g: RolloutGroup) -> None:
         if self.cfg.stale_policy == "regenerate" and g.attempt < self.cfg.max_retries:
-            self._requeue.append(_Item(g.index, g.attempt + 1))
+            self._requeue.append(PromptItem(g.index, g.attempt + 1))
             self._c["regenerated"] += 1
         else:
             self._drop("stale")
@@ -448,87 +271,3 @@ class RolloutManager:
                 self._purge(new)
                 self._cond.notify_all()
             return out
-
-    # ------------------------------------------------------------------ accounting
-    def counters(self) -> dict[str, Any]:
-        """Flat dict for logging (``rollout/<key>``)."""
-        c = {k: self._c[k] for k in ("taken", "trained", "dropped", "regenerated", "rollouts", "turns",
-                                     "tokens_generated", "batches", "weight_updates", "max_staleness_delivered",
-                                     "wrong_version")}
-        c.update({f"dropped_{r}": self._c[f"dropped_{r}"] for r in DROP_REASONS})
-        c.update(in_flight=len(self._requeue) + len(self._running) + len(self._buffer),
-                 queued=len(self._requeue), generating=len(self._running), buffered=len(self._buffer),
-                 rollouts_generating=self._rollouts_running,
-                 data_position=self._next, policy_version=self.version,
-                 update_seconds=round(float(self._c["update_seconds"]), 6))
-        return c
-
-    def capacity_metrics(self) -> dict[str, float]:
-        """``capacity/*`` and ``turn/*`` for the step's metrics: the buffer and in-flight
-        bounds and how full they are now, and the tool slots' figures since the last call."""
-        return {"capacity/queue_depth": float(len(self._buffer)),
-                "capacity/buffer_size": float(self.cfg.buffer_size),
-                "capacity/rollouts_in_flight": float(self._rollouts_running),
-                "capacity/inflight_limit": float(self.max_inflight_rollouts),
-                "capacity/groups_queued": float(len(self._requeue)),
-                **self.tool_slots.take()}
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError naming every broken accounting rule."""
-        c = self.counters()
-        pending = [i.index for i in self._requeue] + list(self._running) + [g.index for g in self._buffer]
-        errs = []
-        if c["taken"] != c["trained"] + c["dropped"] + c["in_flight"]:
-            errs.append(f"taken {c['taken']} != trained {c['trained']} + dropped {c['dropped']} "
-                        f"+ in_flight {c['in_flight']}")
-        if c["dropped"] != sum(c[f"dropped_{r}"] for r in DROP_REASONS):
-            errs.append("dropped != sum of the per-reason drops")
-        if c["taken"] != self._next:
-            errs.append(f"taken {c['taken']} != data position {self._next}")
-        if len(set(pending)) != len(pending):
-            errs.append(f"a prompt is in flight twice: {sorted(pending)}")
-        if not 0 <= self._rollouts_running <= self.max_inflight_rollouts:
-            errs.append(f"{self._rollouts_running} rollouts generating (limit {self.max_inflight_rollouts})")
-        cap = self.cfg.buffer_size + -(-self.max_inflight_rollouts // self.cfg.group_size)
-        if len(self._running) + len(self._buffer) > cap:
-            errs.append(f"{len(self._running)} generating + {len(self._buffer)} buffered groups > {cap}")
-        if any(len(g.rollouts) != self.cfg.group_size for g in self._buffer):
-            errs.append("a buffered group has the wrong size")
-        negative = [k for k, v in c.items() if v < 0]
-        if negative:
-            errs.append(f"negative counters {negative}")
-        if errs:
-            raise AssertionError("rollout accounting: " + "; ".join(errs))
-
-    def state_dict(self) -> dict[str, Any]:
-        """Data position, counters, version, and the in-flight prompts (re-queued on load)."""
-        pending = sorted([(i.index, i.attempt) for i in self._requeue] + [(i.index, i.attempt) for i in
-                         self._running.values()] + [(g.index, g.attempt) for g in self._buffer])
-        return {"format": STATE_FORMAT, "next_index": self._next, "pending": [list(p) for p in pending],
-                "counters": {k: v for k, v in self._c.items() if v}, "policy_version": self.version,
-                "delivered": list(self._delivered.items()), "num_tasks": len(self.tasks), "epochs": self.epochs}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._producer is not None:
-            raise RuntimeError("load_state_dict before start()")
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"unsupported rollout manager state format {state.get('format')!r}")
-        if state["num_tasks"] != len(self.tasks):
-            raise ValueError(f"checkpoint was taken with {state['num_tasks']} tasks, now {len(self.tasks)}")
-        self._next = int(state["next_index"])
-        self._requeue = deque(_Item(int(i), int(a)) for i, a in state["pending"])
-        self._running, self._buffer = {}, deque()
-        self._c = Counter(state["counters"])
-        self._delivered = OrderedDict((g, int(i)) for g, i in state.get("delivered", []))
-        self.gate = VersionGate(int(state["policy_version"]))
-        self.check_invariants()
-
-
-def _reason(e: BaseException) -> str:
-    if isinstance(e, WrongVersionError):
-        return "wrong_version"
-    if isinstance(e, (SGLangClientError, EngineError, ConnectionError, TimeoutError)):
-        return "engine_error"
-    if isinstance(e, (MalformedOutputError, RolloutFormatError, FramingError)):
-        return "malformed"
-    return "rollout_error"

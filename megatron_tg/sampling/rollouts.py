@@ -42,7 +42,8 @@ from megatron_tg.judge import Judge
 from megatron_tg.judge.rubric import Rubric, primary_criteria
 from megatron_tg.objectives import combine_rewards, group_advantages, mode_switches
 from megatron_tg.rollout.client import SGLangClient
-from megatron_tg.rollout.manager import RolloutGroup, RolloutManager
+from megatron_tg.rollout.group_producer import RolloutGroup
+from megatron_tg.rollout.manager import RolloutManager
 from megatron_tg.rollout.types import Rollout
 from megatron_tg.sampling.protocols import WeightTarget
 from megatron_tg.sampling.train_sample import TrainSample

@@ -18,7 +18,7 @@ import pytest
 
 from megatron_tg.agent.sandbox import BWRAP_APT_HINT, Limits, Sandbox, bwrap_path, rmtree
 from megatron_tg.chat import encode, get_tiny_tokenizer, stop_token_id
-from megatron_tg.rollout.client import GenerateResult
+from megatron_tg.rollout.responses import GenerateResult
 
 # Short limits keep the hostile snippets cheap on a shared 2-core machine.
 FAST = Limits(wall_s=4.0, cpu_s=2, memory_mb=384, max_procs=24, max_output_bytes=4096, kill_output_bytes=1 << 20)

@@ -30,8 +30,8 @@ from megatron_tg.judge import Judge, parse_rubric
 from megatron_tg.judge.vetting import (FeedbackContext, VetConfig, feedback_text, format_report,
                                        newcombe_interval, replay_turns, vet_feedback,
                                        wilson_interval)
-from megatron_tg.rollout.client import GenerateResult
 from megatron_tg.rollout.context import RolloutContext
+from megatron_tg.rollout.responses import GenerateResult
 
 LINES_FB = "Use the lines= argument of the search tool."
 TABLE_FB = "End with a markdown table of what you changed."

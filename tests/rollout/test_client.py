@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from megatron_tg.rollout.client import GenerateResult, SGLangClient, SGLangClientError, SGLangRequestError
 from megatron_tg.parallel.ports import free_port
+from megatron_tg.rollout.client import SGLangClient, SGLangClientError, SGLangRequestError
+from megatron_tg.rollout.responses import GenerateResult
 
 PROMPT = [5, 17, 42, 7, 99]
 LONG = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 1.0}

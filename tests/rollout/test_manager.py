@@ -11,8 +11,10 @@ from dataclasses import replace
 import pytest
 
 from megatron_tg.config.rollout import RolloutConfig
-from megatron_tg.rollout.client import GenerateResult, SGLangClient, SGLangClientError
-from megatron_tg.rollout.manager import DROP_REASONS, RolloutManager
+from megatron_tg.rollout.client import SGLangClient, SGLangClientError
+from megatron_tg.rollout.manager import RolloutManager
+from megatron_tg.rollout.manager_accounting import DROP_REASONS
+from megatron_tg.rollout.responses import GenerateResult
 from megatron_tg.rollout.types import Rollout, Segment
 
 BASE = 100  # fake token id = BASE + the engine's weight version when it was sampled

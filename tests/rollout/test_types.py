@@ -10,13 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_tg.rollout.jsonl import read_jsonl, write_jsonl
 from megatron_tg.rollout.types import (
     Rollout,
     RolloutFormatError,
     Segment,
     Span,
-    read_jsonl,
-    write_jsonl,
 )
 
 

@@ -24,8 +24,8 @@ from . import weights as W
 from .weight_api import SGLangRules, WeightEndpoints
 from .model_runner import ModelRunner
 from .errors import RequestError
-from .memory import (KV_CACHE, NOT_IDLE, WEIGHTS, MemoryOccupation, MemoryStateError, kv_cache_bytes,
-                     parse_tags)
+from .memory import MemoryOccupation
+from .memory_api import MemoryEndpoints
 from .protocol import GenRequest, SamplingParams, build_response, parse_generate
 from .scheduler import Scheduler
 
@@ -56,7 +56,7 @@ def _error(message: str, status: int = 400) -> web.Response:
     return _json({"error": {"message": message}}, status=status)
 
 
-class EngineServer(WeightEndpoints):
+class EngineServer(WeightEndpoints, MemoryEndpoints):
     def __init__(
         self,
         model_path: str,
@@ -149,9 +149,7 @@ class EngineServer(WeightEndpoints):
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
-        for method in ("GET", "POST"):  # SGLang's api_route(methods=["GET", "POST"])
-            r.add_route(method, "/release_memory_occupation", self.release_memory_occupation)
-            r.add_route(method, "/resume_memory_occupation", self.resume_memory_occupation)
+        self.add_memory_routes(r)
         self.add_weight_routes(r)
         app.on_startup.append(self._startup)
         app.on_shutdown.append(self._shutdown)
@@ -247,45 +245,6 @@ class EngineServer(WeightEndpoints):
             text="Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n"
         )
-
-    # ---- memory release / resume (memory.py) ------------------------------------------------
-    async def release_memory_occupation(self, request: web.Request) -> web.Response:
-        async def change(tags: list[str]) -> None:
-            def release():
-                if self.flush_busy():  # SGLang's is_fully_idle(ignore_waiting=paused)
-                    raise MemoryStateError(NOT_IDLE)
-                self.memory.release(tags)
-                self.scheduler.hold_admission = self._holds_admission()
-
-            await self._call(release, drain=False)
-
-        return await self._memory_call(request, change)
-
-    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        async def change(tags: list[str]) -> None:
-            def resume():
-                self.memory.resume(tags)
-                self.scheduler.hold_admission = self._holds_admission()
-
-            await self._call(resume, drain=False)
-
-        return await self._memory_call(request, change)
-
-    async def _memory_call(self, request: web.Request, change) -> web.Response:
-        try:
-            await change(parse_tags((await self._body(request)).get("tags")))
-        except (RequestError, MemoryStateError) as exc:
-            return _error(str(exc))  # SGLang's _create_error_response: 400, {"error": {"message"}}
-        return _json(None)  # SGLang's route returns None: 200 with the body null
-
-    def _holds_admission(self) -> bool:
-        return WEIGHTS in self.memory.released or KV_CACHE in self.memory.released
-
-    def _occupation(self) -> dict[str, Any]:
-        """Runs on the scheduler thread: bytes the engine's tensors hold now."""
-        return {"weights_bytes": self.memory.weights_bytes(), "kv_cache_bytes": kv_cache_bytes(self.scheduler.batch),
-                "weights_backup_bytes": self.memory.backup_bytes(), "released": sorted(self.memory.released),
-                "enable_memory_saver": self.memory.enable_memory_saver}
 
     # ---- info --------------------------------------------------------------------------
     async def ready(self, request: web.Request) -> web.Response:
