@@ -31,6 +31,8 @@ from .hostile_review3 import MEND_PROBES, REVIEW3
 from .hostile_review4 import ATTACKS as REVIEW4
 from .hostile_review5 import ATTACKS as REVIEW5
 from .hostile_review5 import LEFT_OPEN as REVIEW5_LEFT_OPEN
+from .hostile_review6 import ATTACKS as REVIEW6
+from .hostile_review6 import LEFT_OPEN as REVIEW6_LEFT_OPEN
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
 # ---------------------------------------------------------------- in-process tampering
@@ -594,3 +596,12 @@ def test_a_grade_s_text_always_encodes():
     g = GradeResult(False, {}, "not graded: tests/\udcff.py", "out \udcfe", ["flag \udcfd"], ["tests/\udcff.py"])
     json.dumps(g.metadata(), ensure_ascii=False).encode()
     assert g.ignored == ["tests/\\udcff.py"] and g.reason.endswith("tests/\\udcff.py")
+
+
+def test_what_the_sixth_review_left_open_is_named_in_the_residual_risks():
+    """The sixth review's solutions that the grader still passes are not mended yet: each must
+    be named where docs/grading.md lists what stays open (and each is one of that review's)."""
+    risks = (REPO / "docs" / "grading.md").read_text().split("## Residual risks", 1)[1]
+    assert set(REVIEW6_LEFT_OPEN) <= set(REVIEW6)
+    missing = [doc for doc in REVIEW6_LEFT_OPEN.values() if f"`{doc}`" not in risks]
+    assert not missing, missing

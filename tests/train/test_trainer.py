@@ -91,15 +91,16 @@ def test_untrained_start_is_refused(tmp_path, checkpoint):
     assert out is None
 
 
-def test_context_parallelism_is_refused_naming_what_is_missing():
-    """The model runs CP (tests/models/qwen3_moe/test_cp_model.py) but the trainer does not
-    partition its micro-batches yet: ``parallel.cp > 1`` stops before any process group."""
+def test_a_context_parallel_layout_that_does_not_match_the_world_is_refused():
+    """The trainer runs ``parallel.cp > 1`` (tests/train/test_trainer_cp.py); a layout whose
+    TP x CP x PP does not divide the world is refused before any process group, naming the
+    numbers."""
     from megatron_tg.config.base import ConfigError
-    from megatron_tg.train.trainer import Trainer
 
-    with pytest.raises(ConfigError, match=r"parallel.cp=2: the trainer does not split "
-                                          r"micro-batches .*train/batching.py pads rows to TP"):
-        Trainer(load_config("recipes/tiny_cpu.yaml", ["parallel.cp=2"]))
+    cfg = load_config("recipes/tiny_cpu.yaml", ["parallel.cp=3"])
+    with pytest.raises(ConfigError, match=r"world_size=4 is not divisible by tp\*cp\*pp=1\*3\*1=3") as err:
+        cfg.layout(4)
+    print(f"\nrefused: {err.value}")
 
 
 def _expert_fn(rank, world, overrides, samples, ckpt_dir):
