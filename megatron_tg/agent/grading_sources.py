@@ -114,10 +114,19 @@ def install(sources: dict[str, bytes], rewritten: frozenset, rewrite) -> None:
 
         @staticmethod
         def find_spec(name, path=None, target=None, _names=frozenset(names), _served=served,
-                      _find=importlib.machinery.PathFinder.find_spec, _loader=ServedLoader):
-            if name.rpartition(".")[2] not in _names:
+                      _find=importlib.machinery.PathFinder.find_spec, _loader=ServedLoader,
+                      _at=importlib.util.spec_from_file_location):
+            last = name.rpartition(".")[2]
+            if last not in _names:
                 return None
             spec = _find(name, path, target)
+            if spec is None and path:
+                # pytest's importlib mode asks for a package with the package's own directory
+                # as the path (and falls back to the file, from disk, when no finder has it)
+                for d in path:
+                    init = os.path.join(d, "__init__.py") if isinstance(d, str) else ""
+                    if os.path.basename(d) == last and _served(init):
+                        return _at(name, init, loader=_loader(name, init), submodule_search_locations=[d])
             if spec is None or spec.origin is None or not _served(spec.origin):
                 return None
             spec.loader = _loader(name, spec.origin)
