@@ -26,6 +26,7 @@ FAIL with the reason recorded. A task passes only if every required test (its
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_tg.agent.changes import ChangeSet, Refused, extract
+from megatron_tg.agent.grading_sources import STUB
 from megatron_tg.agent.proc import Limits
 from megatron_tg.agent.sandbox import Bind, Sandbox, SandboxError, rmtree
 from megatron_tg.agent.tasks import Task, materialize, write_files
@@ -45,8 +47,8 @@ log = logging.getLogger(__name__)
 RUNNER = Path(__file__).with_name("grading_runner.py")
 # The runner's files as the sandbox sees them (its directory, read-only): the entry point is
 # run.py, the modules it loads from beside itself keep their names.
-RUNNER_FILES = {"run.py": RUNNER, "grading_equality.py": RUNNER.with_name("grading_equality.py"),
-                "grading_namespaces.py": RUNNER.with_name("grading_namespaces.py")}
+RUNNER_FILES = {"run.py": RUNNER, **{name: RUNNER.with_name(name) for name in (
+    "grading_equality.py", "grading_namespaces.py", "grading_sources.py")}}
 EVIDENCE_REPLACED = 3  # the runner's exit status when the evidence pipe was not the one it was given
 GRADER_INI = "[pytest]\naddopts =\n"
 MAX_EVIDENCE_BYTES = 16 << 20
@@ -192,7 +194,10 @@ class Grader:
             rel = os.path.join(d, f"test_{secrets.token_hex(5)}.py")
             files[rel] = body
             canaries.append((rel, ok, bad))
-        write_files(ev, files)
+        # The hidden Python files are served to the runner from memory (grading_sources): on
+        # disk, where the tested code could read them, each is a stub.
+        served = {rel: text for rel, text in files.items() if rel.endswith(".py")}
+        write_files(ev, {rel: STUB if rel in served else text for rel, text in files.items()})
         protected = []
         for root, dirs, names in os.walk(ev):  # our own tree: readable, not writable, by the sandbox uid
             for n in dirs:
@@ -209,7 +214,7 @@ class Grader:
         (grader / "pytest.ini").write_text(GRADER_INI)
         for d in (grader, base, ev):
             os.chmod(d, 0o755)
-        return ev, ignored, {"protected": protected, "solution": solution}, canaries
+        return ev, ignored, {"protected": protected, "solution": solution, "served": served}, canaries
 
     async def _grade(self, task: Task, workspace: Path, base: Path, missing: dict) -> GradeResult:
         ev, ignored, paths, canaries = await asyncio.to_thread(self._prepare, task, workspace, base)
@@ -221,8 +226,12 @@ class Grader:
         nonce = secrets.token_hex(16)
         ev_r, ev_w = os.pipe()
         key_r, key_w = os.pipe()
-        os.write(key_w, nonce.encode())
-        os.close(key_w)
+        initpaths = set(test_files)
+        key = (nonce + "\n" + json.dumps({os.path.join(ev_in, rel): [text, rewritten_by_pytest(rel, initpaths)]
+                                          for rel, text in paths["served"].items()})).encode()
+        # Written while the runner reads it (the sources can be larger than a pipe holds); a
+        # runner that never reads it gets the writer an EPIPE once our read end is closed.
+        writer = asyncio.ensure_future(asyncio.to_thread(_write_all, key_w, key))
         cfg = {"evidence_fd": ev_w, "nonce_fd": key_r, "workspace": ev_in, "roots": [
             os.path.normpath(os.path.join(ev_in, p)) for p in task.pythonpath],
             "solution_files": paths["solution"], "protected_files": paths["protected"],
@@ -239,6 +248,7 @@ class Grader:
             os.close(key_r)
             try:
                 data = await asyncio.wait_for(reader, timeout=10)
+                await asyncio.wait_for(writer, timeout=10)
             except asyncio.TimeoutError:  # a process outside any namespace ("none" mode) holds it
                 data = None
             os.close(ev_r)
@@ -247,6 +257,27 @@ class Grader:
                                "elsewhere: the records would have gone where the grader does not read)",
                                res.describe(), [], ignored)
         return verdict(task, data, nonce, canaries, res.describe(), ignored)
+
+
+def rewritten_by_pytest(rel: str, initpaths: set[str]) -> bool:
+    """Whether pytest's assertion rewriter loads ``rel`` (the grader's ini keeps pytest's
+    default ``python_files``): a conftest, a file named on the command line, a test file's
+    name. The runner compiles a served source the same way."""
+    name = os.path.basename(rel)
+    return (name == "conftest.py" or rel in initpaths or fnmatch.fnmatch(name, "test_*.py")
+            or fnmatch.fnmatch(name, "*_test.py"))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``data`` into the pipe ``fd``, then closed (the reader sees its end)."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:  # the sandbox ended without reading it all
+        pass
+    finally:
+        os.close(fd)
 
 
 def _drain(fd: int) -> bytes | None:

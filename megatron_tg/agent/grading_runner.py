@@ -91,12 +91,11 @@ def benign_sinks() -> tuple:
 def main() -> None:
     with open(sys.argv[1], encoding="utf-8") as f:
         cfg = json.load(f)
-    ev_fd, nonce_fd = cfg["evidence_fd"], cfg["nonce_fd"]
-    nonce = b""
-    while chunk := os.read(nonce_fd, 256):
-        nonce += chunk
-    os.close(nonce_fd)
-    nonce = nonce.decode()
+    ev_fd = cfg["evidence_fd"]
+    # The nonce and the hidden tests' sources (only stubs are on disk), drained from the
+    # host's pipe and the pipe closed, before any workspace code runs.
+    served = _sibling("grading_sources")
+    nonce, hidden, rewritten = served.read_key(cfg["nonce_fd"])
     os.set_inheritable(ev_fd, False)  # subprocesses of the tests do not get it
     write, exit_, getident, dumps = os.write, os._exit, threading.get_ident, json.dumps
 
@@ -699,6 +698,8 @@ def main() -> None:
 
     equality = _sibling("grading_equality")
     checked = equality.install(classify, protected, disguised, realpath, rewrite, assert_run_by_policy, referents)
+    served.install(hidden, rewritten, rewrite)  # compiled through the guard just installed; text dropped
+    del hidden
     checks = _sibling("grading_namespaces").build(classify, protected, ws, code_of, code_file, norm, checked,
                                                   equality.CMP_NAME, equality.CMP_ARG)
     compare = checks.compare

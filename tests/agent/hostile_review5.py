@@ -551,7 +551,8 @@ attack("host-write-probe", "writes to every plausible host path from the tested 
        setup=_host_write_files, host_check=_host_write_check)
 
 
-# What stays open after the mends (docs/grading.md, "Residual risks"): a read of the hidden
-# test by a gc-time finalizer made only of C callables, with no frame of the policy's on the
-# stack. Graded PASS in about one run of six (when the collection comes before the test).
-LEFT_OPEN = {"finalizer-opens-hidden-test": "finalizer-opens-hidden-test"}
+# What stays open after the mends (docs/grading.md, "Residual risks"), by name. None now: the
+# one left open by the fifth review's mends, a read of the hidden test by a gc-time finalizer
+# made only of C callables (PASS in about one run of six), reads a stub since the hidden tests
+# are served to the runner from memory, and is graded FAIL with the others.
+LEFT_OPEN: dict[str, str] = {}

@@ -555,9 +555,12 @@ def test_the_fourth_review_s_solutions_are_graded_fail(grader, name, tmp_path):
 
 def test_what_the_fifth_review_left_open_is_named_in_the_residual_risks():
     """A solution the grader may still pass is not in the test below (it would pass or fail by
-    the timing of a gc pass); it must be named where docs/grading.md lists what stays open."""
+    timing); it must be named where docs/grading.md lists what stays open. The one that was
+    (``finalizer-opens-hidden-test``) is graded FAIL below since the hidden tests are served
+    from memory."""
     risks = (REPO / "docs" / "grading.md").read_text().split("## Residual risks", 1)[1]
-    assert REVIEW5_LEFT_OPEN and all(f"`{doc}`" in risks for doc in REVIEW5_LEFT_OPEN.values())
+    assert "finalizer-opens-hidden-test" not in REVIEW5_LEFT_OPEN
+    assert all(f"`{doc}`" in risks for doc in REVIEW5_LEFT_OPEN.values())
 
 
 @pytest.mark.parametrize("name", [n for n in REVIEW5 if n not in REVIEW5_LEFT_OPEN])
