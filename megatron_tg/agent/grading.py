@@ -12,7 +12,9 @@ FAIL with the reason recorded. A task passes only if every required test (its
    (hidden tests, every test file and test directory, ``conftest.py``, interpreter start-up
    hooks) are dropped and listed: those files always come from the pristine source.
 2. **a read-only tree**: the graded checkout is mounted read-only in a fresh sandbox (and,
-   as root, owned by root), so the solution cannot rewrite a test or leave a file for later.
+   as root, owned by root), so the solution cannot rewrite a test or leave a file for later;
+   the hidden Python test files are stubs there, their sources sent to the runner through a
+   pipe (:mod:`megatron_tg.agent.grading_sources`), so no read from disk finds them.
 3. **the runner** (:mod:`megatron_tg.agent.grading_runner`) runs pytest with
    ``--import-mode=importlib``, the task's roots appended after the standard library and
    pytest, no user site; an audit hook and namespace checks flag tampering in-process.

@@ -1,15 +1,16 @@
 """The grader's pytest entry point, run *inside* the grading sandbox as
 ``python -I -B run.py CONFIG.json``. Standard library and pytest only: this file and its
-two sibling modules (:mod:`grading_equality`, :mod:`grading_namespaces`, loaded from beside
-it) are bound read-only into the sandbox on their own (the package around them holds task
-files).
+sibling modules (:mod:`grading_equality`, :mod:`grading_namespaces`, :mod:`grading_sources`,
+loaded from beside it) are bound read-only into the sandbox on their own (the package around
+them holds task files).
 
 Everything here shares one interpreter with the tested code, so nothing in it is secret or
 out of reach in principle; what it does is make each way in leave a mark before it works
 (see docs/grading.md for the threat model and what stays open):
 
-1. the per-run nonce is read from an inherited pipe and the evidence pipe is made
-   close-on-exec, before any workspace code can run (``-I``: no PYTHON* variables, no user
+1. the per-run nonce and the hidden tests' sources (on disk only stubs: pytest loads them
+   from memory, :mod:`grading_sources`) are read from an inherited pipe and the evidence
+   pipe is made close-on-exec, before any workspace code can run (``-I``: no PYTHON* variables, no user
    site, no script directory on ``sys.path``; the workspace roots are *appended* after
    pytest and all of ``_pytest`` are imported, so no workspace module shadows them or the
    standard library);
