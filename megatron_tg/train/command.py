@@ -62,6 +62,9 @@ def check_task_file(path: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_tg.config import load_config, save_resolved
+    from megatron_tg.train.signals import dump_stacks_on_signal
+
+    dump_stacks_on_signal()  # kill -USR2 <pid>: every thread's stack, for a hung rank
     from megatron_tg.train.loop import run as run_loop
 
     cfg = load_config(args.recipe, list(args.overrides))

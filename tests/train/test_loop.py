@@ -55,11 +55,24 @@ def _launch(policy_dir, run_dir, steps, extra=()):
     return procs
 
 
-def _wait(procs, timeout):
+def _wait(procs, timeout, run_dir=None):
+    """The ranks' exit codes; past ``timeout``, a hung run's stacks (SIGUSR2, the trainer's
+    stack dump) go into its logs, the ranks are killed and the test fails with the logs."""
     deadline = time.monotonic() + timeout
     codes = []
-    for p in procs:
-        codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+    try:
+        for p in procs:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        live = [p for p in procs if p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGUSR2)
+        time.sleep(3)
+        for p in live:
+            p.kill()
+            p.wait()
+        pytest.fail(f"ranks still running after {timeout} s; their stacks and logs:\n"
+                    + (_tail(run_dir, 12000) if run_dir else ""))
     return codes
 
 
@@ -74,8 +87,8 @@ def _rows(run_dir):
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
 
-def _tail(run_dir):
-    return "\n".join((Path(run_dir) / f"rank{r}.log").read_text()[-4000:] for r in range(2))
+def _tail(run_dir, chars=4000):
+    return "\n".join((Path(run_dir) / f"rank{r}.log").read_text()[-chars:] for r in range(2))
 
 
 @pytest.mark.slow
@@ -91,14 +104,14 @@ def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
     # Like Slurm's --signal to the step's tasks: every rank gets SIGUSR1.
     for p in procs:
         p.send_signal(signal.SIGUSR1)
-    assert _wait(procs, 300) == [75, 75], _tail(run_dir)
+    assert _wait(procs, 300, run_dir) == [75, 75], _tail(run_dir)
     stopped_at = len(_rows(run_dir))
     assert 1 <= stopped_at < 4
     latest = (run_dir / "ckpt" / "latest").read_text().strip()
     assert latest == f"step_{stopped_at:08d}"
 
     procs = _launch(policy_dir, run_dir, steps=4)
-    assert _wait(procs, 500) == [0, 0], _tail(run_dir)
+    assert _wait(procs, 500, run_dir) == [0, 0], _tail(run_dir)
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     last = rows[-1]
@@ -203,7 +216,7 @@ def test_the_loop_at_cp2_takes_cp1_s_first_steps(policy_dir, tmp_path):
             # failing turns get the KL (the expert pass runs).
             f"judge.rubric={rubric}", "objective.primary_criteria=[has_e]",
             "rollout.max_new_tokens=24", *extra])
-        assert _wait(procs, 600) == [0, 0], _tail(run_dir)
+        assert _wait(procs, 600, run_dir) == [0, 0], _tail(run_dir)
         rows[name] = _rows(run_dir)
     a, b = rows["cp1"], rows["cp2"]
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
