@@ -121,6 +121,12 @@ class LoggingConfig:
     samples_compress_bytes: int = 1 << 20
     """A step's records larger than this are written gzip-compressed (``.jsonl.gz``)."""
 
+    update_stats: bool = False
+    """Log what each optimizer step did to the fp32 main weights (``optim/update_norm``,
+    ``optim/update_rms_over_lr``, ``optim/update_abs_mean_over_lr``; :mod:`megatron_tg.train.
+    update_stats`): how far the weights moved and how sign-like the step was. Costs one copy
+    of this rank's main-weight shard during the step, so it is off by default."""
+
     def validate(self) -> None:
         check_range("logging.log_interval", self.log_interval, ge=1)
         check_range("logging.samples_per_step", self.samples_per_step, ge=0)

@@ -37,6 +37,7 @@ from megatron_tg.train.policy import unwrap
 from megatron_tg.train.pass_plan import build_pass_plan
 from megatron_tg.train.routing import clear_replay
 from megatron_tg.train.samples import TurnStats, TurnStatsAccumulator
+from megatron_tg.train.update_stats import UpdateStats
 from megatron_tg.train.step import ops_reduce_hidden_grad, run_step
 
 _EXTREMA = ("_max", "_min")  # metric keys combined by max/min, not averaged
@@ -91,6 +92,9 @@ class Trainer:
                                          distributed=p.use_distributed_optimizer,
                                          bf16=dtype == torch.bfloat16)
         self.expert_model = self._build_expert(model, dtype)
+        # logging.update_stats: the size and sign-likeness of each step's weight update
+        self.update_stats = (UpdateStats(self.optimizer.main_shards)
+                             if cfg.logging.update_stats else None)
         # The EMA expert's fp32 average, sharded like the optimizer's fp32 main parameters.
         o = cfg.objective
         gathered = o.expert == "ema" and o.ema_weights == "gathered"
@@ -248,7 +252,11 @@ class Trainer:
 
         finalize_model_grads([self.model])
         self.optimizer.lr = self._lr()
+        if self.update_stats is not None:
+            self.update_stats.before()
         opt_metrics = self.optimizer.step()
+        if self.update_stats is not None:
+            opt_metrics.update(self.update_stats.after(self.optimizer.lr))
         if self.ema is not None:
             self.ema.update()
         self.step += 1
