@@ -98,6 +98,10 @@ class PolicyBatch:
     """[N] bool: rows of the rollouts' own samples, the only ones the GRPO term and the policy
     metrics see (False on KL-only rows, e.g. hinted turns). None: every ``loss_mask`` row."""
 
+    thinking_mask: Optional[torch.Tensor] = None
+    """[N] bool: rows predicting a thinking token. Read only by the KL's metrics (its split
+    between thinking and action rows); None: not split."""
+
     def policy_mask(self) -> torch.Tensor:
         """``loss_mask`` restricted to ``pg_mask``: the rows the GRPO term averages over."""
         return self.loss_mask if self.pg_mask is None else self.loss_mask & self.pg_mask
@@ -115,7 +119,8 @@ class PolicyBatch:
         """Shape checks that catch layout mistakes early (cheap; no device sync beyond sizes)."""
         n = self.num_rows
         for name in ("behaviour_logprobs", "loss_mask", "rollout_index", "gate") + (
-                ("pg_mask",) if self.pg_mask is not None else ()):
+                ("pg_mask",) if self.pg_mask is not None else ()) + (
+                ("thinking_mask",) if self.thinking_mask is not None else ()):
             t = getattr(self, name)
             if t.shape != (n,):
                 raise ValueError(f"PolicyBatch.{name} must be [{n}], got {tuple(t.shape)}")

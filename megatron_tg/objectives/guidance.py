@@ -99,6 +99,23 @@ def _step_token_mean(batch: PolicyBatch, gate_w: torch.Tensor):
     return lambda x: (x.detach() * gate_w).sum() * scale
 
 
+def _thinking_split(kl: torch.Tensor, gate_w: torch.Tensor, weights: torch.Tensor,
+                    thinking: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Where the KL sits: on the gated rows predicting thinking tokens vs the others (the
+    actions: tool calls, answers). ``kl/weight_frac_thinking`` is the share of the term's
+    weight Σ w_t on thinking rows, i.e. of the gradient's budget before the divergence's own
+    size; ``kl/frac_gated_thinking`` the share of gated rows; the two means are per row."""
+    th = thinking.to(gate_w.dtype) * gate_w
+    act = (1 - thinking.to(gate_w.dtype)) * gate_w
+    out = {"kl/frac_gated_thinking": th.sum() / gate_w.sum().clamp(min=1e-12),
+           "kl/weight_frac_thinking": (weights * th).sum() / (weights * gate_w).sum().clamp(min=1e-30)}
+    if bool(th.sum() > 0):
+        out["kl/mean_gated_thinking"] = (kl * th).sum() / th.sum()
+    if bool(act.sum() > 0):
+        out["kl/mean_gated_action"] = (kl * act).sum() / act.sum()
+    return out
+
+
 RESCUE_ROW = 0.5
 """A gated row "needs rescue" when the expert puts at least this much mass on tokens the
 student gives < ``kl_rescue_threshold``."""
@@ -152,6 +169,8 @@ def gated_kl_term(batch: PolicyBatch, cfg: ObjectiveConfig, group: Optional[dist
     with torch.no_grad():
         gate_w = (batch.gate.to(dtype) * batch.loss_mask.to(dtype))[gate_index]
         metrics["kl/mean_gated"] = (kl * gate_w).sum() / gate_w.sum().clamp(min=1e-12)
+        if batch.thinking_mask is not None:
+            metrics.update(_thinking_split(kl, gate_w, weights, batch.thinking_mask[gate_index]))
         if diag is not None:
             step_mean = _step_token_mean(batch, gate_w)
             metrics["kl/token_mean"] = step_mean(kl)

@@ -315,6 +315,7 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
         student.targets, student.behaviour, student.rollout, student.turn))
     gate = gate[order]
     own = torch.tensor(student.own, dtype=torch.bool)[order]
+    thinking = torch.tensor(student.thinking, dtype=torch.bool)[order]
     expert_rows = []
     for j in gate.nonzero().squeeze(1).tolist():
         e, epos = expert_pos[student.token[int(order[j])]]
@@ -323,7 +324,8 @@ def build_micro_batch(samples: Sequence[TrainSample], tokenizer, cfg: ObjectiveC
         target_ids=targets.long(), behaviour_logprobs=behaviour.float(), loss_mask=loss_mask,
         rollout_index=rindex.long(), gate=gate,
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
-        pg_mask=None if bool(own.all()) else own)
+        pg_mask=None if bool(own.all()) else own,
+        thinking_mask=thinking if bool(thinking.any()) else None)
     seqs = student.seqs
     return MicroBatch(
         student=student.packed, rows=rows_t, policy=policy, turn_index=turns.long(),

@@ -213,6 +213,9 @@ class Trainer:
         budget = self.cfg.optimizer.micro_batch_tokens
         self.optimizer.zero_grad()
         sums: dict[str, float] = {}
+        # rollouts of the micro-batches that reported each metric: a metric a micro-batch
+        # lacks (no gated row, no thinking row) is averaged over those that have it
+        counts: dict[str, int] = {}
         extrema: dict[str, float] = {}
         micro = split_by_tokens(samples, budget)
         batches = [build_micro_batch(group, self.tokenizer, self.cfg.objective, row_tokens=budget,
@@ -248,6 +251,7 @@ class Trainer:
                     extrema[k] = pick(extrema.get(k, v), v)
                 else:
                     sums[k] = sums.get(k, 0.0) + v * (len(group) if k != "loss" else 1.0)
+                    counts[k] = counts.get(k, 0) + len(group)
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.model])
@@ -260,7 +264,7 @@ class Trainer:
         if self.ema is not None:
             self.ema.update()
         self.step += 1
-        metrics = {k: (v if k == "loss" else v / len(samples)) for k, v in sums.items()}
+        metrics = {k: (v if k == "loss" else v / counts[k]) for k, v in sums.items()}
         metrics.update(extrema)
         metrics.update({f"optim/{k}": v for k, v in opt_metrics.items()})
         metrics["optim/lr"] = self.optimizer.lr

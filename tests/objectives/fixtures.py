@@ -59,4 +59,5 @@ def rollout_batch(lengths: Sequence[int], *, vocab: int = 7, seed: int = 0,
         rollout_index=rollout_index, advantages=adv, gate=gate,
         **logits_as_hidden(logits.clone().requires_grad_(True)), gate_index=gate_index,
         expert_hidden=expert_logits_full[gate_index].clone(), vocab_size=vocab,
+        thinking_mask=thinking_mask if thinking else None,
     )

@@ -187,3 +187,23 @@ def test_kl_diagnostics_are_step_means_over_gated_tokens():
     # off by default: none of it is computed
     plain = TGObjective(ObjectiveConfig(mode="tg", kl_coef=0.5))(batches[0])
     assert not any(k in plain.metrics for k in want)
+
+
+def test_the_kl_s_split_between_thinking_and_action_rows():
+    cfg = ObjectiveConfig(mode="tg", kl_coef=1.0)
+    # rollout 0 fails on rows 0-3 (rows 0, 1 thinking); rollout 2 fails on 0, 3, 4 (row 0 thinking)
+    batch = rollout_batch([4, 3, 5], failed=[[0, 1, 2, 3], [], [0, 3, 4]], cfg=cfg, seed=3,
+                          thinking=[[0, 1], [], [0]])
+    out = TGObjective(cfg)(batch)
+    gi = batch.gate_index
+    kl = ref_kl(batch.hidden.detach()[gi], batch.expert_hidden, "reverse")
+    th = batch.thinking_mask[gi]
+    m = out.metrics
+    assert m["kl/frac_gated_thinking"].item() == pytest.approx(3 / 7)
+    assert m["kl/mean_gated_thinking"].item() == pytest.approx(kl[th].mean().item(), rel=1e-12)
+    assert m["kl/mean_gated_action"].item() == pytest.approx(kl[~th].mean().item(), rel=1e-12)
+    # rollout_gated weights: 1/4 per row of rollout 0, 1/3 per row of rollout 2 (then / 3)
+    assert m["kl/weight_frac_thinking"].item() == pytest.approx((2 / 4 + 1 / 3) / 2)
+    # without the mask (a batch with no thinking), no split is reported
+    plain = TGObjective(cfg)(rollout_batch([4, 3, 5], failed=[[0, 1, 2, 3], [], [0, 3, 4]], cfg=cfg, seed=3))
+    assert not any(k.startswith("kl/") and "thinking" in k for k in plain.metrics)
