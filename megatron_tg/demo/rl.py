@@ -23,6 +23,9 @@ tasks of the ``eval`` split at step 0, every ``evaluation.every`` steps and the 
 With ``--probe-every N`` the expert is probed too: every N steps a few prompts are sampled
 WITH the hint before the tool-call turn on the current weights, i.e. the expert's own
 behaviour (``probe/new_format``, ``probe/success``), so a degrading expert is visible.
+With ``--env paper --call-probe-every N`` the served policy's probabilities at the two tokens
+that decide a ``lines`` call are read every N steps (:mod:`.call_probe`: ``probe/p_branch``,
+``probe/p_close``).
 """
 
 from __future__ import annotations
@@ -110,11 +113,14 @@ ENVS = ("main", "paper")
 task with a thinking span and four criteria (:mod:`.paper_env`, the paper suite's)."""
 
 
-def make_rollout_side(probe_every: int = 0, probe_n: int = 32, env: str = "main"):
+def make_rollout_side(probe_every: int = 0, probe_n: int = 32, env: str = "main",
+                      call_probe_every: int = 0, call_probe_n: int = 16):
     if env not in ENVS:
         raise ValueError(f"env must be one of {ENVS}, got {env!r}")
     if env == "paper" and probe_every > 0:
         raise ValueError("the expert probe samples the main environment's hint: use it with env=main")
+    if env != "paper" and call_probe_every > 0:
+        raise ValueError("the call probe reads the paper environment's reference calls: use it with env=paper")
 
     def factory(trainer):
         from megatron_tg.demo import paper_env as P
@@ -134,6 +140,11 @@ def make_rollout_side(probe_every: int = 0, probe_n: int = 32, env: str = "main"
         if probe_every > 0:
             side.probes.append((probe_every, ExpertProbe(side, trainer.tokenizer, cfg, probe_n,
                                                          cfg.seed)))
+        if call_probe_every > 0:
+            from megatron_tg.demo.call_probe import CallProbe
+
+            side.probes.append((call_probe_every, CallProbe(side, trainer.tokenizer, call_probe_n,
+                                                            cfg.seed)))
         if cfg.evaluation.tasks:
             from megatron_tg.config.base import ConfigError
 
@@ -156,6 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--probe-every", type=int, default=0,
                     help="probe the expert (hinted episodes) every N steps; 0: never")
     ap.add_argument("--probe-n", type=int, default=32, help="episodes per probe")
+    ap.add_argument("--call-probe-every", type=int, default=0,
+                    help="env=paper: every N steps, the served policy's teacher-forced P(lines "
+                         "branch) and P(</parameter> after the lines value) (demo/call_probe.py)")
+    ap.add_argument("--call-probe-n", type=int, default=16, help="held-out tasks per call probe")
     ap.add_argument("--env", choices=ENVS, default="main",
                     help="main: the key lookup, one style criterion; paper: with thinking and "
                          "four criteria (the paper suite's environment)")
@@ -176,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # trainer; the factory is named so that process can build the same side.
     return run(cfg, make_rollout_side=rollout_source(FactorySpec(
         "megatron_tg.demo.rl:make_rollout_side",
-        {"probe_every": a.probe_every, "probe_n": a.probe_n, "env": a.env})))
+        {"probe_every": a.probe_every, "probe_n": a.probe_n, "env": a.env,
+         "call_probe_every": a.call_probe_every, "call_probe_n": a.call_probe_n})))
 
 
 if __name__ == "__main__":
