@@ -1,9 +1,10 @@
 """The paper environment's call probe: the served policy's probabilities at the two tokens
 that decide a ``lines`` call, teacher-forced, every N steps (issue 38's dip).
 
-On ``n`` held-out tasks (the ``eval`` split from :data:`.rl.HELD_OUT_START`, never trained
-on), without any hint, the engine's prompt log-probs (``logprob_start_len=0``, the weights
-of the step just synced) of two reference tool-call turns (:mod:`.paper_env`):
+On ``n`` held-out tasks (the ``eval`` split from the index the caller names: the demo's
+:data:`.rl.HELD_OUT_START`, never trained on), without any hint, the engine's prompt
+log-probs (``logprob_start_len=0``, the weights of the step just synced) of two reference
+tool-call turns (:mod:`.paper_env`):
 
 * ``probe/p_branch``: P(the ``<parameter`` that opens ``lines=`` | the turn up to the
   branch), after the base's usual thinking (no announcement): the no-hint probability of the
@@ -80,12 +81,10 @@ def summarize(values: dict[str, list[float]]) -> dict[str, float]:
 class CallProbe:
     """A rollout-side probe (``RolloutSide.probes``): the two probabilities on the engine."""
 
-    def __init__(self, side, tokenizer, n: int, seed: int) -> None:
-        from megatron_tg.demo.rl import HELD_OUT_START
-
+    def __init__(self, side, tokenizer, n: int, seed: int, start: int) -> None:
+        """``n`` tasks of the ``eval`` split from index ``start`` (the caller's held-out range)."""
         self.side = side
-        self.seqs = probe_sequences(tokenizer, T.make_tasks(n, seed=seed, start=HELD_OUT_START,
-                                                            split="eval"))
+        self.seqs = probe_sequences(tokenizer, T.make_tasks(n, seed=seed, start=start, split="eval"))
 
     def __call__(self, step: int) -> dict[str, float]:
         import asyncio

@@ -144,7 +144,7 @@ def make_rollout_side(probe_every: int = 0, probe_n: int = 32, env: str = "main"
             from megatron_tg.demo.call_probe import CallProbe
 
             side.probes.append((call_probe_every, CallProbe(side, trainer.tokenizer, call_probe_n,
-                                                            cfg.seed)))
+                                                            cfg.seed, HELD_OUT_START)))
         if cfg.evaluation.tasks:
             from megatron_tg.config.base import ConfigError
 

@@ -33,7 +33,7 @@ def test_the_probe_reads_the_engine_s_probabilities_at_the_call_s_two_tokens(tmp
             def call(coro):
                 return loop.run_until_complete(coro)
 
-        probe = C.CallProbe(Side, tok, n=3, seed=0)
+        probe = C.CallProbe(Side, tok, n=3, seed=0, start=10_000)
         for name, ids, pos in probe.seqs:  # the positions are the two decision tokens
             nxt = tok.decode(ids[pos:pos + 1])
             assert nxt == ("<parameter" if name == "p_branch" else "</"), (name, nxt)
