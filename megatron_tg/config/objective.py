@@ -24,7 +24,7 @@ EMA_WEIGHTS = ("replicated", "gathered")
 EMA_PLACEMENTS = ("device", "host")
 EMA_GATHER_SCOPES = ("layer", "step")  # = megatron_tg.train.ema_gather.SCOPES
 EXPERT_SEQUENCES = ("shared", "exact")
-EXPERT_FEEDBACK = ("failing", "covered")
+EXPERT_FEEDBACK = ("failing", "covered", "placebo")
 STYLE_REWARDS = ("sum", "primary_gated")
 OLD_LOGPROBS = ("student", "behaviour")
 TIS_MODES = ("truncate", "mask")
@@ -207,7 +207,14 @@ class ObjectiveConfig:
     expert about one criterion and lets it undo the others the student already meets (the
     expert, lagging, does not meet them unprompted): measured on the paper suite's toy
     environment (README, "the paper suite"). Modes with every turn distilled (opsd,
-    always_on) always use every covered criterion's feedback."""
+    always_on) always use every covered criterion's feedback. "placebo" = the same gated
+    turns, but the expert context holds ``placebo_feedback`` instead of any criterion's
+    feedback: the KL machinery with no information, the control arm that separates what
+    the feedback teaches from what distilling towards a perturbed context does (issue 38)."""
+
+    placebo_feedback: str = "Please continue with the task."
+    """The neutral sentence ``expert_feedback="placebo"`` puts where the feedback would go
+    (framed by ``judge.feedback_framing`` like any feedback)."""
 
     expert_prefix_reuse: bool = True
     """Shared expert only: run the expert forward on the suffix of each expert sequence (from

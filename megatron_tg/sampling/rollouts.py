@@ -127,6 +127,7 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     obj_cfg = replace(obj, criterion_weights=weights, primary_criteria=primary)
     always = not mode_switches(obj).failing_turns_only
     covered = obj.expert_feedback == "covered"
+    placebo = obj.expert_feedback == "placebo"
     flat = [(g, ro, res) for g, rs in zip(groups, results) for ro, res in zip(g.rollouts, rs)]
     # A rollout with no assistant token (its prompt alone filled rollout.max_context_tokens)
     # carries no training signal: excluded and counted, like a judge error.
@@ -146,8 +147,8 @@ def judged_samples(groups: Sequence[RolloutGroup], results, rubric: Rubric, cfg:
     gids = torch.tensor([position[id(g)] for g, _, _ in ok])
     adv = group_advantages(rewards, gids, obj_cfg)
     frame = cfg.judge.feedback_framing
-    samples = [TrainSample(ro, float(a), {k: frame.replace("{feedback}", text) for k, text in
-                                          feedback_for(ro, res, rubric, always, covered).items()},
+    samples = [TrainSample(ro, float(a), {k: frame.replace("{feedback}", obj.placebo_feedback if placebo else text)
+                                          for k, text in feedback_for(ro, res, rubric, always, covered).items()},
                            reward=float(r))
                for (g, ro, res), a, r in zip(ok, adv.tolist(), rewards.tolist())]
     for i, n in enumerate(names):

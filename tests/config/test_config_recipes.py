@@ -101,7 +101,7 @@ def test_tg_30b_has_the_paper_setting():
 @pytest.mark.parametrize("name, field, value", [
     ("grpo", "mode", "grpo"), ("opsd", "mode", "opsd"), ("always_on", "mode", "always_on"),
     ("no_thinking", "mode", "no_thinking"), ("kl_forward", "kl_direction", "forward"),
-    ("hinted", "hinted_samples", 1),
+    ("hinted", "hinted_samples", 1), ("placebo", "expert_feedback", "placebo"),
 ])
 def test_ablation_changes_one_objective_field_of_tg_30b(name, field, value):
     base = load_config(RECIPES / "tg_30b.yaml")

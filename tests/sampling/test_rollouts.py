@@ -52,6 +52,21 @@ def test_rewards_advantages_and_framed_feedback(judged):
     assert samples[1].feedback_by_turn == {}  # passes: no KL anywhere in this rollout
 
 
+def test_placebo_feedback_keeps_the_gate_rewards_and_advantages_but_not_the_text(judged):
+    """objective.expert_feedback=placebo: the control arm. The same turns carry feedback (so
+    the same rows are gated) and the rewards are the same; only the text differs."""
+    rubric, groups, results = judged
+    frame = ["judge.feedback_framing='Hint: {feedback}'"]
+    real, _, _ = judged_samples(groups, results, rubric, load_config("recipes/tiny_cpu.yaml", frame))
+    cfg = load_config("recipes/tiny_cpu.yaml", frame + [
+        "objective.expert_feedback=placebo", "objective.placebo_feedback='Go on.'"])
+    placebo, _, _ = judged_samples(groups, results, rubric, cfg)
+    assert [s.feedback_by_turn.keys() for s in placebo] == [s.feedback_by_turn.keys() for s in real]
+    assert [(s.advantage, s.reward) for s in placebo] == [(s.advantage, s.reward) for s in real]
+    assert placebo[0].feedback_by_turn == {0: "Hint: Go on."}
+    assert any(s.feedback_by_turn for s in real)  # not vacuous: some turn is gated
+
+
 def test_opsd_rewards_primary_only_and_always_on_feedback(judged):
     rubric, groups, results = judged
     opsd = load_config("recipes/tiny_cpu.yaml", ["objective.mode=opsd"])
