@@ -99,6 +99,12 @@ class ObjectiveConfig:
     """Apply the KL on thinking tokens too. The paper finds this crucial against oscillation
     between criteria (§5.4, Fig. 7). mode="no_thinking" forces it off."""
 
+    distill_actions: bool = True
+    """Apply the KL on the tokens outside thinking spans (tool calls, answers). False, with
+    ``distill_thinking``: the thinking-only KL, the ablation that asks whether distilling
+    the plan alone moves the actions (issue 38's H3). False with no thinking distilled
+    leaves no KL row: refused (use mode="grpo")."""
+
     kl_token_normalization: str = "rollout_gated"
     """Denominator of a rollout's KL average: "rollout_gated" = that rollout's gated tokens
     (default: the mean KL over its failing turns' tokens, so a long failing turn cannot
@@ -264,6 +270,10 @@ class ObjectiveConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ConfigError(f"objective.{name} must be one of {allowed}, got {value!r}")
+        if not self.distill_actions and (not self.distill_thinking or self.mode == "no_thinking"):
+            raise ConfigError("objective.distill_actions=false with no thinking distilled "
+                              f"(distill_thinking={self.distill_thinking}, mode={self.mode!r}) "
+                              "leaves the KL no token: use objective.mode=grpo")
         if self.kl_coef < 0:
             raise ConfigError(f"objective.kl_coef must be >= 0, got {self.kl_coef}")
         if not 0.0 <= self.jsd_beta <= 1.0:

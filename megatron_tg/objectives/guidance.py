@@ -11,7 +11,8 @@ Math contract (paper §4, eq. for L(θ)):
   the hidden states, folds w into its gradient and never materialises logits.
 * Gate g_t ∈ {0, 1} (:func:`build_gate`): 1 on assistant tokens of turns that failed ≥1
   criterion (mode "tg"); of every assistant turn ("always_on", "opsd"); thinking tokens get
-  0 unless thinking is distilled (``distill_thinking`` and mode != "no_thinking").
+  0 unless thinking is distilled (``distill_thinking`` and mode != "no_thinking"); the other
+  tokens get 0 when ``distill_actions`` is off (the thinking-only KL).
 * Token normalisation, ``kl_token_normalization`` (default "rollout_gated"):
   per rollout i, K_i = Σ_{t∈i} g_t D_t / n_i with n_i = Σ_{t∈i} g_t ("rollout_gated") or
   n_i = |assistant tokens of i| ("rollout_assistant"); K_i = 0 when n_i = 0. Then
@@ -56,6 +57,8 @@ def build_gate(loss_mask: torch.Tensor, failed_turn_mask: torch.Tensor,
         gate = gate & failed_turn_mask.bool()
     if thinking_mask is not None and not sw.kl_on_thinking:
         gate = gate & ~thinking_mask.bool()
+    if not sw.kl_on_actions:  # thinking-only KL: no thinking mask means no thinking row
+        gate = gate & (thinking_mask.bool() if thinking_mask is not None else torch.zeros_like(gate))
     return gate.float()
 
 

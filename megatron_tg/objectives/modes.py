@@ -10,6 +10,9 @@ always_on    yes      every turn         distill_thinking  all (weighted)
 no_thinking  yes      failing turns      never             all (weighted)
 ===========  =======  =================  ================  ======================
 
+``objective.distill_actions=false`` (any KL mode with thinking distilled) keeps the KL on
+thinking tokens only.
+
 "opsd" is ungated on purpose: it is the prior-work baseline (global privileged context, no
 failure gating) that the paper compares against, as in the prototype in docs/measurements.md.
 "always_on" is "opsd" with every criterion in the reward: the paper suite runs it as its OPSD
@@ -32,6 +35,8 @@ class ModeSwitches:
     """Gate the KL to turns that failed ≥1 criterion (else every assistant turn)."""
     kl_on_thinking: bool
     """Whether thinking tokens are distilled."""
+    kl_on_actions: bool
+    """Whether the tokens outside thinking spans are distilled (``distill_actions``)."""
     primary_rewards_only: bool
     """Drop every non-primary criterion from the scalar reward."""
 
@@ -44,5 +49,6 @@ def mode_switches(cfg: ObjectiveConfig) -> ModeSwitches:
         kl=mode != "grpo",
         failing_turns_only=mode in ("tg", "no_thinking"),
         kl_on_thinking=cfg.distill_thinking and mode != "no_thinking",
+        kl_on_actions=cfg.distill_actions,
         primary_rewards_only=mode == "opsd",
     )

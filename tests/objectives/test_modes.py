@@ -79,3 +79,19 @@ def test_objective_errors_are_config_errors():
 
     with pytest.raises(ConfigError, match="objective.kl_coef must be >= 0"):
         ObjectiveConfig(kl_coef=-1.0).validate()
+
+
+@pytest.mark.parametrize("mode,want", [("tg", [1, 0, 0, 0, 0]), ("always_on", [1, 0, 1, 0, 0])])
+def test_thinking_only_kl_gates_the_thinking_rows_of_the_mode_s_turns(mode, want):
+    cfg = ObjectiveConfig(mode=mode, distill_actions=False)
+    assert build_gate(LOSS, FAILED, THINKING, cfg).tolist() == want
+    assert build_gate(LOSS, FAILED, None, cfg).tolist() == [0, 0, 0, 0, 0]  # no thinking, no row
+
+
+def test_thinking_only_kl_without_thinking_distilled_is_refused():
+    from megatron_tg.config.base import ConfigError
+
+    for kw in (dict(mode="no_thinking"), dict(mode="tg", distill_thinking=False)):
+        with pytest.raises(ConfigError, match="distill_actions=false"):
+            ObjectiveConfig(distill_actions=False, **kw).validate()
+    ObjectiveConfig(mode="tg", distill_actions=False).validate()
