@@ -94,6 +94,12 @@ class BaseModelConfig:
     weighted-CE optimum of the branch probability is about f*w / (f*w + 1 - f) with f =
     ``new_no_hint_fraction``, w this weight: a fraction alone cannot reach 1e-4 with a pool of
     a few thousand examples (it would be under one example)."""
+    wrong_answer_fraction: float = 0.0
+    """Paper environment only (:mod:`.paper_base`): fraction of the demonstrations whose
+    answer states a wrong value (:func:`.paper_env.wrong_value`), so
+    the base fails the task on about this fraction of its episodes and GRPO has a task
+    gradient from step 1 (issue 38's stability comparison). 0 (default): every demonstration
+    answers right, and the random stream that draws the others is unchanged."""
     pool_size: int = 4096
     """Distinct SFT examples, rendered and tokenised once, then sampled with replacement."""
     # model (Qwen3MoeConfig)

@@ -92,13 +92,18 @@ def draw_example(rng: random.Random, task: T.FactTask, cfg: B.BaseModelConfig) -
     if context:  # random new behaviours on turn 0, as untrained context
         pick = rng.choice(_subsets(P.TURN_CRITERIA[0]))
         behaviour.update({(0, c): True for c in pick})
-    return {"hints": hints, "behaviour": behaviour, "masked": masked, "context": context, "lines": lines}
+    # drawn only when asked for: the default base's stream of choices stays as it was
+    wrong = cfg.wrong_answer_fraction > 0 and rng.random() < cfg.wrong_answer_fraction
+    return {"hints": hints, "behaviour": behaviour, "masked": masked, "context": context,
+            "lines": lines, "wrong": wrong}
 
 
-def _turn_ids(tok, task: T.FactTask, behaviour: Mapping[tuple[int, str], bool], turn: int, lines: int) -> list[int]:
+def _turn_ids(tok, task: T.FactTask, behaviour: Mapping[tuple[int, str], bool], turn: int, lines: int,
+              answer_value: int | None = None) -> list[int]:
     from megatron_tg.chat.framing import assistant_generation_text, encode
 
-    msgs = [m for m in P.reference_messages(task, behaviour, lines=lines) if m["role"] == "assistant"]
+    msgs = [m for m in P.reference_messages(task, behaviour, lines=lines, answer_value=answer_value)
+            if m["role"] == "assistant"]
     return encode(tok, assistant_generation_text(tok, msgs[turn]))
 
 
@@ -120,7 +125,8 @@ def sft_example(tok, task: T.FactTask, choice: Mapping[str, Any]) -> B.SFTExampl
     from megatron_tg.chat.framing import insert_feedback
 
     beh, lines = choice["behaviour"], choice["lines"]
-    ro = simulate_rollout(tok, P.reference_messages(task, beh, lines=lines))
+    value = P.wrong_value(task) if choice.get("wrong") else None
+    ro = simulate_rollout(tok, P.reference_messages(task, beh, lines=lines, answer_value=value))
     turns = ro.assistant_turns()
     if choice["hints"]:
         es = insert_feedback(ro, {k: P.hint_for(cs) for k, cs in choice["hints"].items()}, tok,
@@ -136,9 +142,9 @@ def sft_example(tok, task: T.FactTask, choice: Mapping[str, Any]) -> B.SFTExampl
             mask[pmap[j]] = 1.0
     for k, c in choice["masked"]:
         old = list(ro.token_ids[turns[k].start:turns[k].end])
-        if old != _turn_ids(tok, task, beh, k, lines):
+        if old != _turn_ids(tok, task, beh, k, lines, value):
             raise RuntimeError(f"SFT example {task.id}: turn {k} is not its reference rendering")
-        new = _turn_ids(tok, task, {**beh, (k, c): True}, k, lines)
+        new = _turn_ids(tok, task, {**beh, (k, c): True}, k, lines, value)
         for i in departures(old, new):
             mask[pmap[turns[k].start + i]] = 0.0
     return B.SFTExample(ids, mask, "hint" if choice["hints"] else ("context" if choice["context"] else "plain"))

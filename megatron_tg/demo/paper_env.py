@@ -79,15 +79,27 @@ def thinking_text(task: T.FactTask, turn: int, *, new: bool, brief: bool, lines:
         f"The search result shows the line of {k}. I will state its value {how}."
 
 
-def answer_text(task: T.FactTask, *, new: bool) -> str:
-    return f"Answer: {task.value}" if new else f"The value of {task.key} is {task.value}."
+def answer_text(task: T.FactTask, *, new: bool, value: int | None = None) -> str:
+    v = task.value if value is None else value
+    return f"Answer: {v}" if new else f"The value of {task.key} is {v}."
+
+
+def wrong_value(task: T.FactTask) -> int:
+    """A wrong answer a reader of the search result could give: the value on the second line
+    of the key's old-format result (a different key's); the value plus one where that result
+    has one line or the two values are equal."""
+    found = T.search(task, task.key).splitlines()
+    v = int(found[1].rsplit("=", 1)[1]) if len(found) > 1 else task.value
+    return v if v != task.value else v + 1
 
 
 def reference_messages(task: T.FactTask, behaviour: Mapping[tuple[int, str], bool], *, lines: int,
-                       hints: Mapping[int, str] | None = None) -> list[dict[str, Any]]:
+                       hints: Mapping[int, str] | None = None,
+                       answer_value: int | None = None) -> list[dict[str, Any]]:
     """A demonstration: search, then answer, with ``behaviour[(turn, criterion)]`` = True for
     each criterion whose new behaviour the turn shows (missing: old). ``hints[turn]`` is put
-    as a user message right before that turn, where the trainer puts its feedback."""
+    as a user message right before that turn, where the trainer puts its feedback.
+    ``answer_value``: the value the answer states (default: the right one)."""
     def b(turn: int, crit: str) -> bool:
         return bool(behaviour.get((turn, crit), False))
 
@@ -105,7 +117,7 @@ def reference_messages(task: T.FactTask, behaviour: Mapping[tuple[int, str], boo
     msgs.append({"role": "tool", "content": T.search(task, task.key, lines if b(0, "search_lines") else None)})
     if 1 in hints:
         msgs.append(T.hint_message(hints[1]))
-    msgs.append({"role": "assistant", "content": answer_text(task, new=b(1, "answer_style")),
+    msgs.append({"role": "assistant", "content": answer_text(task, new=b(1, "answer_style"), value=answer_value),
                  "reasoning_content": thinking_text(task, 1, new=b(1, "answer_style"),
                                                     brief=b(1, "brief_thinking"), lines=lines)})
     return msgs

@@ -316,3 +316,30 @@ def test_covered_feedback_with_one_style_criterion_is_the_failed_feedback(tok):
         res = Judge(T.rubric(), tok).judge_sync(ro, t)
         assert feedback_for(ro, res, T.rubric(), False, covered=True) == res.feedback_by_turn() == \
             ({} if new_format else {0: T.FEEDBACK})
+
+
+def test_wrong_answer_fraction_makes_that_share_of_demonstrations_answer_wrong(tok):
+    """wrong_answer_fraction (issue 38's base with a task gradient): about that share of the
+    demonstrations state a wrong value (the second search line's), trained on; at 0 no draw
+    is made, so the default base's data is what it was."""
+    import random
+
+    from megatron_tg.demo import paper_base as PB
+
+    n = 400
+    cfg = PB.config(0, pool_size=n, wrong_answer_fraction=0.5)
+    tasks = [T.make_task(0, i, "sft") for i in range(n)]
+    rng = random.Random("t")
+    choices = [PB.draw_example(rng, t, cfg) for t in tasks]
+    wrong = [c["wrong"] for c in choices]
+    assert 0.4 < sum(wrong) / n < 0.6
+    for t, c in list(zip(tasks, choices))[:40]:
+        ex = PB.sft_example(tok, t, c)
+        import re
+
+        answer = tok.decode([i for i, m in zip(ex.ids, ex.mask) if m > 0]).split("</think>")[-1]
+        stated = int(re.findall(r"[0-9]+", answer)[-1])  # the answer turn's value
+        assert P.wrong_value(t) != t.value
+        assert stated == (P.wrong_value(t) if c["wrong"] else t.value), (answer, c["wrong"], t.value)
+    plain = [PB.draw_example(random.Random("t"), t, PB.config(0, pool_size=n)) for t in tasks[:5]]
+    assert not any(c["wrong"] for c in plain)
