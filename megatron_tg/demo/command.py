@@ -6,6 +6,9 @@
     python -m megatron_tg.demo --suite phase --out runs/phase  # why reverse KL fails (:mod:`.phase`)
     python -m megatron_tg.demo --suite paper --out runs/paper  # Table 1, Figs 5-7 (:mod:`.paper_suite`)
     python -m megatron_tg.demo --suite paper --seeds 3,4,5,6,7 --out runs/paper  # its held-out verdicts
+    python -m megatron_tg.demo --suite stability --out runs/stability  # docs/claims-2.md, S (:mod:`.stability_suite`)
+    python -m megatron_tg.demo --suite dip --out runs/dip              # D, the dip (:mod:`.dip_suite`)
+    python -m megatron_tg.demo --suite paper_config --out runs/pconf   # P (:mod:`.paper_config_suite`)
 
 1. base model: a tiny Qwen3-MoE SFT'd on the key-lookup task (:mod:`.base_model`): it solves
    the task with the ``search`` tool, never uses the new ``lines=`` format unaided, and uses it
@@ -46,6 +49,11 @@ from megatron_tg.demo import base_model as B
 from megatron_tg.demo import report as R
 from megatron_tg.demo.runs import (DEFAULT, DIRECTIONS, EXPERTS, FULL, METHODS, QUICK, RECIPE, ROLLING, Plan,
                                    RunSpec, _log, _write_atomic, convert, recipe_defaults, run_all)
+
+
+PART2_SUITES = {"stability": "megatron_tg.demo.stability_suite", "dip": "megatron_tg.demo.dip_suite",
+                "paper_config": "megatron_tg.demo.paper_config_suite"}
+"""docs/claims-2.md's experiments S, D and P: suite name -> its module."""
 
 
 def targets(methods: dict[str, Any], wall: float, quick: bool,
@@ -101,13 +109,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seed sampling and drop the asynchrony (always on with --quick)")
     ap.add_argument("--jobs", type=int, default=2, help="RL runs at a time (default 2: one per core)")
     ap.add_argument("--recipe", default=str(RECIPE), help="the RL recipe (default recipes/demo_cpu.yaml)")
-    ap.add_argument("--suite", choices=("main", "phase", "paper"), default="main",
+    ap.add_argument("--suite", choices=("main", "phase", "paper", *PART2_SUITES), default="main",
                     help="main: the demo above; phase: base models with new-format no-hint "
                          "probability ~1e-6 / 1e-4 / 1e-2, each with GRPO, reverse+EMA and "
                          "forward+EMA TG at the quick size, seed 0 (9 RL runs); paper: Table 1 "
                          "and Figures 5-7 on the environment with thinking and four criteria "
                          "(7 runs per seed, seeds 0,1,2 unless --seeds; recipes/demo_paper_cpu.yaml; "
-                         "rules: docs/claims.md)")
+                         "rules: docs/claims.md); stability, dip, paper_config: experiments S, D "
+                         "and P of docs/claims-2.md (default seeds: its held-out 8-12; "
+                         "--seeds 0,1,2 for the development ones)")
     ap.add_argument("--phase-base", choices=("full", "quick"), default="full",
                     help="--suite phase: the base models' SFT size (full: the default build, "
                          "whose no-hint probability is ~1e-6; quick: the --quick build's)")
@@ -143,6 +153,9 @@ def _bad_arguments(a: argparse.Namespace) -> str | None:
         return "--suite phase has its own fixed runs (quick size, seed 0): drop --full/--seeds/--no-compare"
     if getattr(a, "suite", "main") == "paper" and (getattr(a, "full", False) or a.quick or a.no_compare):
         return "--suite paper has its own fixed runs: drop --full/--quick/--no-compare (--seeds/--steps set their number and length)"
+    if getattr(a, "suite", "main") in PART2_SUITES and (getattr(a, "full", False) or a.quick or a.no_compare):
+        return (f"--suite {a.suite} has its own fixed runs: drop --full/--quick/--no-compare "
+                "(--seeds/--steps set their number and length)")
     if not Path(a.recipe).is_file():
         return f"--recipe {a.recipe}: no such file"
     return None
@@ -155,6 +168,10 @@ def run(a: argparse.Namespace) -> int:
         print(f"demo: error: {problem}", file=sys.stderr)
         return 2
     try:
+        if getattr(a, "suite", "main") in PART2_SUITES:
+            import importlib
+
+            return importlib.import_module(PART2_SUITES[a.suite]).run(a, sys.executable, _log)
         if getattr(a, "suite", "main") == "paper":
             from megatron_tg.demo import paper_suite
 

@@ -1,0 +1,167 @@
+"""What the three suites of ``docs/claims-2.md`` share: seeds, instruments, run specs, the
+base gate, the printed verdicts and the output record.
+
+Every run of part 2 has its instruments on (``logging.update_stats=true``; in the paper
+environment the call probe after every step, ``--call-probe-every 1 --call-probe-n 16``), is
+seeded with no staleness (part 1's plan) and is made by :func:`.runs.run_all`, which reuses a
+finished run with the same inputs. A suite's default seeds are the held-out ones
+(:data:`.claims2.HELDOUT_SEEDS`); ``--seeds`` overrides them, and the printed label says
+which set ran.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from megatron_tg.demo import claims as C
+from megatron_tg.demo import claims2 as K
+
+ROOT = K.ROOT
+INSTRUMENTS = ("logging.update_stats=true",)
+"""Overrides every run of part 2 gets (the per-step update statistics)."""
+PAPER_RL_ARGS = ("--env", "paper", "--call-probe-every", "1", "--call-probe-n", "16")
+"""The paper environment with its call probe at step 0 and after every step."""
+BASE_REFUSED = 3
+"""Exit status when a held-out call finds its base outside the pre-registered range."""
+
+
+def plan(steps: int, seeds: Sequence[int], rl_args: Sequence[str]):
+    from megatron_tg.demo.runs import Plan
+
+    return Plan(steps=steps, seeds=tuple(seeds), last=K.LAST, variants=(), probe_every=0,
+                heldout=0, seeded=True, rl_args=tuple(rl_args))
+
+
+def run_specs(runs: Sequence[tuple[str, str, tuple[str, ...]]], seeds: Sequence[int]):
+    """(arm, objective.mode, overrides) x seeds -> RunSpecs named ``<arm>-s<seed>``, the
+    instruments on."""
+    from megatron_tg.demo.runs import RunSpec
+
+    return [RunSpec(f"{arm}-s{s}", mode, s, extra=(*extra, *INSTRUMENTS)) for s in seeds for arm, mode, extra in runs]
+
+
+def recipe_for(a, default: Path) -> Path:
+    """The demo's default recipe means "this suite's default"; any other is used as given."""
+    from megatron_tg.demo.runs import RECIPE as MAIN_RECIPE
+
+    return default if Path(a.recipe).resolve() == MAIN_RECIPE.resolve() else Path(a.recipe).resolve()
+
+
+def start(a, log, suite: str) -> dict[str, Any]:
+    """Seeds, steps, their label and the provenance, logged before anything runs."""
+    seeds = tuple(a.seeds) if a.seeds else K.HELDOUT_SEEDS
+    steps = a.steps or K.STEPS
+    kind = K.seed_set(seeds, steps)
+    prov = K.provenance()
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"suite {suite}: seeds {','.join(map(str, seeds))}, {steps} steps: {kind}")
+    for line in K.provenance_lines(prov):
+        log(line)
+    return {"seeds": seeds, "steps": steps, "kind": kind, "provenance": prov, "out": out}
+
+
+def base_gate(ctx: Mapping[str, Any], ok: bool, what: str, log) -> bool:
+    """False when the held-out report must not run on this base (the document's rule: the base
+    is rebuilt, as an amendment, before any RL run on it); elsewhere a warning."""
+    if ok:
+        log(f"base check passes: {what}")
+        return True
+    if ctx["kind"].startswith("held-out"):
+        log(f"BASE OUTSIDE THE PRE-REGISTERED RANGE: {what}; no RL run is made (rebuild the base "
+            f"and record the change under Amendments in {K.CLAIMS2_DOC})")
+        return False
+    log(f"WARNING: base outside the pre-registered range: {what} (not a held-out call: the runs go on)")
+    return True
+
+
+def measures(dirs: Mapping[str, Sequence[Path]], criteria: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    from megatron_tg.train.metrics import read_metrics
+
+    return {arm: [K.measure(read_metrics(d), criteria) for d in ds] for arm, ds in dirs.items()}
+
+
+def _f(x: Any, fmt: str = "+.3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and x != x) else format(x, fmt)
+
+
+def seed_table(m: Mapping[str, Sequence[Mapping[str, Any]]], seeds: Sequence[int],
+               style: Sequence[str] = ()) -> str:
+    """Per arm and seed: start, dip, t*, worst, final pass, learned, close fall and its step."""
+    lines = [f"{'run':<14} {'seed':>4} {'start':>6} {'dip':>7} {'t*':>3} {'worst':>6} {'final':>6} "
+             f"{'learned':>7} {'close fall':>10} {'at':>3}"]
+    for arm, xs in m.items():
+        for s, x in zip(seeds, xs):
+            lrn = _f(K.learned(x, style), ".0f") if style else "-"
+            lines.append(f"{arm:<14} {s:>4} {_f(x['start'], '.3f'):>6} {_f(x['dip']):>7} "
+                         f"{_f(x['dip_step'], 'd'):>3} {_f(x['worst'], '.3f'):>6} {_f(x['pass'], '.3f'):>6} "
+                         f"{lrn:>7} {_f(x['close_fall']):>10} {_f(x['close_fall_step'], 'd'):>3}")
+    return "\n".join(lines)
+
+
+def verdict_lines(c: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Each claim / hypothesis / level: its verdict, then each test's estimate, interval, rule
+    and whether it passes (reported tests and tests that decide nothing are marked so)."""
+    out = []
+    for k, v in c.items():
+        out.append(f"{k:<16} {v['verdict']}")
+        for name, t in v["tests"].items():
+            lo, hi = t["interval"]
+            res = ("reported" if t["passed"] is None else "passes" if t["passed"] else "FAILS")
+            tag = "" if name in v["decides"] or t["passed"] is None else "  [reported, decides nothing]"
+            out.append(f"    {name:<22} {_f(t['estimate'])} [{_f(lo)}, {_f(hi)}]  rule {t['rule']}: "
+                       f"{res}  ({t['what']}){tag}")
+    return out
+
+
+def amendment(first: Mapping[str, Any] | None, now: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Against the first held-out record of an output directory: the rule files changed since,
+    and its verdicts (None when nothing changed or there is no first record)."""
+    if not first:
+        return None
+    a, b = first["provenance"]["files"], now["files"]
+    changed = sorted(f for f in set(a) | set(b) if a.get(f) != b.get(f))
+    if not changed:
+        return None
+    return {"changed_after_heldout": changed, "first_head": first["provenance"].get("head"),
+            "first_verdicts": {k: v["verdict"] for k, v in first["verdicts"].items()}}
+
+
+def finish(ctx: Mapping[str, Any], name: str, verdicts: Mapping[str, Mapping[str, Any]],
+           extra: Mapping[str, Any], table: str, wall: float) -> int:
+    """Write ``OUT/<name>.json`` (and, on a held-out call, the first held-out record), print
+    the table, the label, the provenance and the verdicts; 0."""
+    from megatron_tg.demo.runs import _write_atomic
+
+    out, prov = ctx["out"], ctx["provenance"]
+    record = {"suite": name, "seeds": list(ctx["seeds"]), "steps": ctx["steps"], "seed_set": ctx["kind"],
+              "provenance": prov, "verdicts": verdicts}
+    amended = None
+    if ctx["kind"].startswith(("held-out", "fix seeds")):
+        first_path = out / "heldout_first.json"
+        try:
+            first = json.loads(first_path.read_text())
+        except (OSError, ValueError):
+            first = None
+            _write_atomic(first_path, json.dumps(record, indent=2, default=float) + "\n")
+        amended = amendment(first, prov)
+    _write_atomic(out / f"{name}.json", json.dumps({
+        **record, "wall_seconds": round(wall, 1), "amended_after_heldout": amended,
+        "bootstrap": {"resamples": C.BOOTSTRAP, "seed": C.BOOTSTRAP_SEED, "confidence": C.CONFIDENCE},
+        **extra}, indent=2, default=float) + "\n")
+    print()
+    print(table)
+    print()
+    print(f"seeds {','.join(map(str, ctx['seeds']))}, {ctx['steps']} steps: {ctx['kind']}; interval: "
+          f"{C.CONFIDENCE:.0%} bootstrap over seeds ({C.BOOTSTRAP} resamples, seed {C.BOOTSTRAP_SEED})")
+    for line in K.provenance_lines(prov):
+        print(line)
+    if amended:
+        print(f"RULES CHANGED after the first held-out verdicts in {out}: "
+              f"{', '.join(amended['changed_after_heldout'])} (first verdicts: {json.dumps(amended['first_verdicts'])})")
+    for line in verdict_lines(verdicts):
+        print(line)
+    print(f"\nwall {wall:.0f} s; {out / (name + '.json')}")
+    return 0
