@@ -18,7 +18,7 @@ thinking_only  ``objective.distill_actions=false``         H3
 
 The hypotheses' verdicts are :func:`.claims2.dip`'s; the output is ``OUT/dip.json``. No fix
 is defined yet (a fix is an amendment of ``docs/claims-2.md`` with its arm ``tg_fix``), so
-this suite refuses the fix seeds 13-17.
+this suite (like the other two) refuses the fix seeds 13-17.
 """
 
 from __future__ import annotations
@@ -48,10 +48,9 @@ def run(a, py: str, log, base_overrides: Mapping[str, Any] | None = None) -> int
     """The suite (``a``: the demo's parsed arguments; ``base_overrides``: tests' tiny base)."""
     from megatron_tg.demo.runs import convert, run_all
 
-    if a.seeds and set(a.seeds) & set(K.FIX_SEEDS):
-        log(f"seeds {','.join(map(str, K.FIX_SEEDS))} are kept for validating a fix, and "
-            f"{K.CLAIMS2_DOC} defines none (no tg_fix arm): not run")
-        return 2
+    refused = U.refuse_fix_seeds(a, log)
+    if refused is not None:
+        return refused
     ctx = U.start(a, log, "dip (experiment D)")
     out, seeds, t0 = ctx["out"], ctx["seeds"], time.perf_counter()
     recipe = U.recipe_for(a, RECIPE)

@@ -57,6 +57,9 @@ def run(a, py: str, log, base_overrides: Mapping[str, Any] | None = None) -> int
     """The suite (``a``: the demo's parsed arguments; ``base_overrides``: tests' tiny bases)."""
     from megatron_tg.demo.runs import convert, run_all
 
+    refused = U.refuse_fix_seeds(a, log)
+    if refused is not None:
+        return refused
     ctx = U.start(a, log, "paper_config (experiment P)")
     out, seeds, t0 = ctx["out"], ctx["seeds"], time.perf_counter()
     recipe = U.recipe_for(a, RECIPE)
@@ -94,8 +97,8 @@ def run(a, py: str, log, base_overrides: Mapping[str, Any] | None = None) -> int
                  f"  {arm:<9} seed {s:>3}: final search_lines {U._f(x['final']['search_lines'], '.3f')}, "
                  f"final pass {U._f(x['pass'], '.3f')}, worst {U._f(x['worst'], '.3f')}"
                  for arm, xs in m[lvl].items() for s, x in zip(seeds, xs)) for lvl in K.P_LEVELS]
-    lines.append(v["boundary"])
     base_rec = {lvl: {k: x for k, x in b.items() if isinstance(x, (int, float, str))} for lvl, b in bases.items()}
     return U.finish(ctx, "paper_config", v["levels"],
                     {"boundary": v["boundary"], "levels": LEVELS, "bases": base_rec, "recipe": str(recipe),
-                     "measures": m}, "\n".join(lines), time.perf_counter() - t0)
+                     "measures": m}, "\n".join(lines), time.perf_counter() - t0,
+                    footer=[f"phase boundary (Figures 1 and 3): {v['boundary']}"])

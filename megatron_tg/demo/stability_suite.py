@@ -44,6 +44,9 @@ def run(a, py: str, log, base_overrides: Mapping[str, Any] | None = None) -> int
     settings on top of the pre-registered fraction (tests build a tiny one)."""
     from megatron_tg.demo.runs import convert, run_all
 
+    refused = U.refuse_fix_seeds(a, log)
+    if refused is not None:
+        return refused
     ctx = U.start(a, log, "stability (experiment S)")
     out, seeds, t0 = ctx["out"], ctx["seeds"], time.perf_counter()
     recipe = U.recipe_for(a, RECIPE)

@@ -49,6 +49,20 @@ def recipe_for(a, default: Path) -> Path:
     return default if Path(a.recipe).resolve() == MAIN_RECIPE.resolve() else Path(a.recipe).resolve()
 
 
+FIX_REFUSED = 2
+"""Exit status of a call on the fix seeds, which no fix is yet defined for."""
+
+
+def refuse_fix_seeds(a, log) -> int | None:
+    """The fix seeds validate a fix designed after the held-out tests (an amendment with its
+    ``tg_fix`` arm); none is defined, so no suite spends them: :data:`FIX_REFUSED`, else None."""
+    if a.seeds and set(a.seeds) & set(K.FIX_SEEDS):
+        log(f"seeds {','.join(map(str, K.FIX_SEEDS))} are kept for validating a fix, and "
+            f"{K.CLAIMS2_DOC} defines none (no tg_fix arm): not run")
+        return FIX_REFUSED
+    return None
+
+
 def start(a, log, suite: str) -> dict[str, Any]:
     """Seeds, steps, their label and the provenance, logged before anything runs."""
     seeds = tuple(a.seeds) if a.seeds else K.HELDOUT_SEEDS
@@ -130,9 +144,9 @@ def amendment(first: Mapping[str, Any] | None, now: Mapping[str, Any]) -> dict[s
 
 
 def finish(ctx: Mapping[str, Any], name: str, verdicts: Mapping[str, Mapping[str, Any]],
-           extra: Mapping[str, Any], table: str, wall: float) -> int:
+           extra: Mapping[str, Any], table: str, wall: float, footer: Sequence[str] = ()) -> int:
     """Write ``OUT/<name>.json`` (and, on a held-out call, the first held-out record), print
-    the table, the label, the provenance and the verdicts; 0."""
+    the table, the label, the provenance, the verdicts and ``footer``; 0."""
     from megatron_tg.demo.runs import _write_atomic
 
     out, prov = ctx["out"], ctx["provenance"]
@@ -161,7 +175,7 @@ def finish(ctx: Mapping[str, Any], name: str, verdicts: Mapping[str, Mapping[str
     if amended:
         print(f"RULES CHANGED after the first held-out verdicts in {out}: "
               f"{', '.join(amended['changed_after_heldout'])} (first verdicts: {json.dumps(amended['first_verdicts'])})")
-    for line in verdict_lines(verdicts):
+    for line in [*verdict_lines(verdicts), *footer]:
         print(line)
     print(f"\nwall {wall:.0f} s; {out / (name + '.json')}")
     return 0
