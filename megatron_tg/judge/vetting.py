@@ -11,7 +11,7 @@ compare.
 Where the feedback goes (the agent loop runs unchanged; :class:`FeedbackContext` wraps the
 rollout context so that each engine request carries the student context with the framed
 feedback message F inserted right before the generation prompt of the scoped turn(s), exactly
-where :func:`megatron_tg.chat.framing.insert_feedback` puts it for the expert; the rollout that
+where :func:`megatron_tg.chat.feedback.insert_feedback` puts it for the expert; the rollout that
 is recorded and judged is the student's, without F):
 
 * ``every_turn`` / ``any_tool_call``: which turns will fail (or will call a tool) is unknown
@@ -28,7 +28,7 @@ With several turns carrying F, ``feedback_context="shared"`` keeps every earlier
 the context (the trainer's default ``expert_sequence: shared``); ``"exact"`` keeps only the F
 of the turn being generated (``expert_sequence: exact``). The message is the criterion's
 feedback in ``template`` (default: the config's ``judge.feedback_framing``), rendered by the
-chat template as a ``framing``-role message (:func:`~megatron_tg.chat.framing.feedback_message_ids`).
+chat template as a ``framing``-role message (:func:`~megatron_tg.chat.feedback.feedback_message_ids`).
 F does not count against the harness's ``max_context_tokens`` (it is not part of the rollout).
 
 Statistics, per criterion (rollouts whose judging failed are excluded from both arms):
@@ -53,11 +53,12 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from megatron_tg.chat.framing import FramingError, feedback_message_ids, generation_prompt_ids
+from megatron_tg.chat.feedback import feedback_message_ids
+from megatron_tg.chat.template import generation_prompt_ids
 from megatron_tg.judge.judge import Judge, JudgeResult
 from megatron_tg.judge.rubric import Criterion, Rubric
 from megatron_tg.rollout.context import RolloutContext, TurnOutput
-from megatron_tg.rollout.types import Rollout
+from megatron_tg.rollout.types import FramingError, Rollout
 
 FEEDBACK_CONTEXTS = ("shared", "exact")
 BRANCH_SCOPES = ("final_turn", "rollout")

@@ -7,17 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_tg.chat.builder import RolloutBuilder, simulate_rollout
-from megatron_tg.chat.framing import (
-    FramingError,
-    build_expert_sequences,
-    continuation_ids,
-    encode,
-    generation_prompt_ids,
-    insert_feedback,
-    parse_assistant,
-    render,
-)
-from megatron_tg.rollout.types import Rollout
+from megatron_tg.chat.feedback import build_expert_sequences, insert_feedback
+from megatron_tg.chat.parsing import parse_assistant
+from megatron_tg.chat.template import continuation_ids, encode, generation_prompt_ids, render
+from megatron_tg.rollout.types import FramingError, Rollout
 
 from .convos import SEARCH_TOOL, conversation
 
@@ -148,7 +141,7 @@ def test_parse_never_raises_and_token_spans_agree(tok, parts):
     text = "".join(parts)
     p = parse_assistant(text)
     assert isinstance(p.content, str)
-    from megatron_tg.chat.framing import assistant_token_spans
+    from megatron_tg.chat.parsing import assistant_token_spans
     ids = encode(tok, text)
     thinking, calls = assistant_token_spans(tok, ids)
     assert (thinking is None) == (p.thinking is None)
@@ -245,7 +238,7 @@ def test_insert_feedback_errors(tok, convo):
 @pytest.mark.parametrize("value, markup", [('print("<parameter=y>")', "<parameter="),
                                            ("echo </function> done", "</function>")])
 def test_strict_reading_refuses_values_sglang_reads_as_structure(value, markup):
-    from megatron_tg.chat.framing import parse_assistant
+    from megatron_tg.chat.parsing import parse_assistant
 
     text = f"<tool_call>\n<function=run>\n<parameter=command>\n{value}\n</parameter>\n</function>\n</tool_call>"
     turn = parse_assistant(text, stop_tokens=())
@@ -256,10 +249,30 @@ def test_strict_reading_refuses_values_sglang_reads_as_structure(value, markup):
 def test_unknown_reading_and_sglang_reading_without_sglang():
     import importlib.util
 
-    from megatron_tg.chat.framing import parse_assistant
+    from megatron_tg.chat.parsing import parse_assistant
 
     with pytest.raises(ValueError, match="reading must be one of"):
         parse_assistant("hi", reading="vllm")
     if importlib.util.find_spec("sglang") is None:  # the main lane: a clear error, not a guess
         with pytest.raises(ImportError, match="needs the sglang package"):
             parse_assistant("<tool_call>\n<function=f>\n</function>\n</tool_call>", reading="sglang")
+
+
+def test_framing_reexports_the_owners_objects():
+    """``chat.framing`` defines nothing: each public name is the object of the module that owns
+    it, so code importing the old single-module API gets the same functions and classes."""
+    import sys
+
+    from megatron_tg.chat import feedback, framing, parsing, template
+    from megatron_tg.rollout import types
+
+    public = [n for n in vars(framing) if not n.startswith("_")]
+    assert {"build_expert_sequences", "ParsedTurn", "ToolCall", "ToolCallError", "FRAMINGS",
+            "continuation_ids", "stop_token_id", "prompt_ids", "insert_feedback"} <= set(public)
+    for name in public:
+        obj = getattr(framing, name)
+        if callable(obj):  # functions and classes: defined in their owner, not here
+            assert obj.__module__ != framing.__name__, name
+            assert getattr(sys.modules[obj.__module__], name) is obj, name
+        else:  # constants: the owner's own object
+            assert any(getattr(m, name, None) is obj for m in (feedback, parsing, template, types)), name
