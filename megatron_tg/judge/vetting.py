@@ -49,12 +49,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from megatron_tg.chat.feedback import feedback_message_ids
 from megatron_tg.chat.template import generation_prompt_ids
+from megatron_tg.judge.intervals import newcombe_interval, z_value
 from megatron_tg.judge.judge import Judge, JudgeResult
 from megatron_tg.judge.rubric import Criterion, Rubric
 from megatron_tg.rollout.context import RolloutContext, TurnOutput
@@ -63,42 +63,6 @@ from megatron_tg.rollout.types import FramingError, Rollout
 FEEDBACK_CONTEXTS = ("shared", "exact")
 BRANCH_SCOPES = ("final_turn", "rollout")
 CI_METHOD = "newcombe-hybrid-score (Wilson), independent arms"
-
-
-# ---------------------------------------------------------------------- statistics
-def z_value(confidence: float) -> float:
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    return statistics.NormalDist().inv_cdf(0.5 + confidence / 2.0)
-
-
-def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion k/n ((0, 1) when n == 0)."""
-    if not 0 <= k <= n:
-        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
-    if n == 0:
-        return 0.0, 1.0
-    z = z_value(confidence)
-    p = k / n
-    denom = 1.0 + z * z / n
-    center = (p + z * z / (2 * n)) / denom
-    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    # k == 0 / k == n: the bound is exactly 0 / 1 (avoid -1e-17 from rounding).
-    return (0.0 if k == 0 else center - half), (1.0 if k == n else center + half)
-
-
-def newcombe_interval(k1: int, n1: int, k0: int, n0: int,
-                      confidence: float = 0.95) -> tuple[float, float, float]:
-    """(d, lo, hi) for d = k1/n1 − k0/n0: Newcombe's hybrid score interval (method 10)."""
-    if n1 == 0 or n0 == 0:
-        return math.nan, -1.0, 1.0
-    p1, p0 = k1 / n1, k0 / n0
-    l1, u1 = wilson_interval(k1, n1, confidence)
-    l0, u0 = wilson_interval(k0, n0, confidence)
-    d = p1 - p0
-    lo = d - math.sqrt((p1 - l1) ** 2 + (u0 - p0) ** 2)
-    hi = d + math.sqrt((u1 - p1) ** 2 + (p0 - l0) ** 2)
-    return d, lo, hi
 
 
 # ---------------------------------------------------------------------- feedback in the loop

@@ -27,9 +27,9 @@ from megatron_tg.chat.feedback import feedback_message_ids, insert_feedback
 from megatron_tg.chat.template import assistant_generation_text, generation_prompt_ids
 from megatron_tg.config.rollout import RolloutConfig
 from megatron_tg.judge import Judge, parse_rubric
+from megatron_tg.judge.intervals import newcombe_interval, wilson_interval
 from megatron_tg.judge.vetting import (FeedbackContext, VetConfig, feedback_text, format_report,
-                                       newcombe_interval, replay_turns, vet_feedback,
-                                       wilson_interval)
+                                       replay_turns, vet_feedback)
 from megatron_tg.rollout.context import RolloutContext
 from megatron_tg.rollout.responses import GenerateResult
 
