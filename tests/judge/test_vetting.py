@@ -28,8 +28,9 @@ from megatron_tg.chat.template import assistant_generation_text, generation_prom
 from megatron_tg.config.rollout import RolloutConfig
 from megatron_tg.judge import Judge, parse_rubric
 from megatron_tg.judge.intervals import newcombe_interval, wilson_interval
-from megatron_tg.judge.vetting import (FeedbackContext, VetConfig, feedback_text, format_report,
-                                       replay_turns, vet_feedback)
+from megatron_tg.judge.feedback_context import FeedbackContext, replay_turns
+from megatron_tg.judge.vet_report import format_report
+from megatron_tg.judge.vetting import VetConfig, feedback_text, vet_feedback
 from megatron_tg.rollout.context import RolloutContext
 from megatron_tg.rollout.responses import GenerateResult
 
