@@ -278,7 +278,7 @@ class RolloutConfig:
 
 FEEDBACK_PLACEHOLDER = "{feedback}"
 # Roles the chat template can give the inserted feedback message; the same tuple as
-# megatron_tg.chat.framing.FRAMINGS (kept apart so importing the config stays light; a test
+# megatron_tg.chat.feedback.FRAMINGS (kept apart so importing the config stays light; a test
 # checks they agree).
 FEEDBACK_ROLES = ("user", "system")
 

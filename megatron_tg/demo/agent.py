@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from megatron_tg.chat.builder import RolloutBuilder
-from megatron_tg.chat.framing import continuation_ids
+from megatron_tg.chat.template import continuation_ids
 from megatron_tg.demo import task as T
 from megatron_tg.rollout.types import Rollout
 

@@ -84,7 +84,7 @@ def expert_turn_kl(model, tokenizer, tasks: Sequence[T.FactTask]) -> dict[str, f
     import torch
 
     from megatron_tg.chat.builder import simulate_rollout
-    from megatron_tg.chat.framing import build_expert_sequences
+    from megatron_tg.chat.feedback import build_expert_sequences
 
     at_branch, off_branch = [], []
     with torch.no_grad():
@@ -113,7 +113,7 @@ def branch_probabilities(model, tokenizer, tasks: Sequence[T.FactTask], *, hint:
     model's probability of the new branch there."""
     import torch
 
-    from megatron_tg.chat.framing import prompt_ids
+    from megatron_tg.chat.template import prompt_ids
 
     seqs, at, want = [], [], []
     for t in tasks:

@@ -193,7 +193,7 @@ def build_with(out_dir: str | os.PathLike, cfg: BaseModelConfig, h: str, *, corp
     try:
         from transformers import Qwen3MoeForCausalLM
 
-        from megatron_tg.chat.framing import stop_token_id
+        from megatron_tg.chat.template import stop_token_id
         from megatron_tg.chat.tokenizer import build_tiny_tokenizer
 
         out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ demonstrations where each style criterion's new behaviour appears only after its
 * each reference turn gets, with probability ``hint_fraction``, a hint naming a non-empty
   subset of the criteria that can fail there (:data:`.paper_env.TURN_CRITERIA`), framed and
   joined exactly as the trainer builds the expert's context (the sequence *is*
-  :func:`megatron_tg.chat.framing.insert_feedback` of the hint-less rollout, so the tokens
+  :func:`megatron_tg.chat.feedback.insert_feedback` of the hint-less rollout, so the tokens
   match the trainer's expert pass); the turn then shows each hinted criterion's new
   behaviour — thinking that announces it, and the action;
 * ``hint_old_fraction`` of the hinted criteria keep the old behaviour with the tokens where it
@@ -105,7 +105,7 @@ def draw_example(rng: random.Random, task: T.FactTask, cfg: BC.BaseModelConfig) 
 
 def _turn_ids(tok, task: T.FactTask, behaviour: Mapping[tuple[int, str], bool], turn: int, lines: int,
               answer_value: int | None = None) -> list[int]:
-    from megatron_tg.chat.framing import assistant_generation_text, encode
+    from megatron_tg.chat.template import assistant_generation_text, encode
 
     msgs = [m for m in P.reference_messages(task, behaviour, lines=lines, answer_value=answer_value)
             if m["role"] == "assistant"]
@@ -127,7 +127,7 @@ def departures(old: Sequence[int], new: Sequence[int]) -> list[int]:
 def sft_example(tok, task: T.FactTask, choice: Mapping[str, Any]) -> SD.SFTExample:
     """Token ids and loss weights of one drawn demonstration (see the module docstring)."""
     from megatron_tg.chat.builder import simulate_rollout
-    from megatron_tg.chat.framing import insert_feedback
+    from megatron_tg.chat.feedback import insert_feedback
 
     beh, lines = choice["behaviour"], choice["lines"]
     value = P.wrong_value(task) if choice.get("wrong") else None

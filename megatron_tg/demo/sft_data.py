@@ -91,7 +91,7 @@ def sft_examples(tokenizer, n: int, seed: int, hint_fraction: float,
     the hint (``hint_old_fraction`` of those are ``hint_old``, the rest ``hint``);
     ``new_no_hint_fraction`` of the others are ``plain_new``, ``context_fraction`` of the
     rest ``context`` examples."""
-    from megatron_tg.chat.framing import generation_prompt_ids, stop_token_id
+    from megatron_tg.chat.template import generation_prompt_ids, stop_token_id
 
     rng = random.Random(f"demo-sft:{seed}")
     msgs, kinds, tasks = [], [], []
@@ -129,7 +129,7 @@ def sft_examples(tokenizer, n: int, seed: int, hint_fraction: float,
 
 def turn_ids(tokenizer, task: T.FactTask, *, new_format: bool, lines: int = 3) -> list[int]:
     """The reference tool-call turn's generated ids (through the stop token)."""
-    from megatron_tg.chat.framing import assistant_generation_text, encode
+    from megatron_tg.chat.template import assistant_generation_text, encode
 
     msg = T.reference_messages(task, new_format=new_format, lines=lines)[1]
     return encode(tokenizer, assistant_generation_text(tokenizer, msg))

@@ -16,7 +16,7 @@ The NEW tool format adds ``<parameter=lines>\\nN\\n</parameter>`` (return N line
 :data:`DEFAULT_LINES`). The base model (:mod:`megatron_tg.demo.base_model`) never uses it unless
 the feedback :data:`FEEDBACK` — framed by the trainer's ``judge.feedback_framing`` and inserted
 as a ``user`` message right before the tool-call turn, exactly where
-:func:`megatron_tg.chat.framing.insert_feedback` puts it — is in its context.
+:func:`megatron_tg.chat.feedback.insert_feedback` puts it — is in its context.
 
 What this module provides (used by the base-model build, its tests and the RL runner):
 
@@ -43,7 +43,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from megatron_tg.agent.tools import MAX_SEARCH_LINES
 from megatron_tg.chat.builder import RolloutBuilder
-from megatron_tg.chat.framing import FRAMINGS, ParsedTurn, ToolCall, ToolCallError
+from megatron_tg.chat.feedback import FRAMINGS
+from megatron_tg.chat.parsing import ParsedTurn, ToolCall, ToolCallError
 from megatron_tg.judge.checkers import CheckerError, ToolFormatChecker
 from megatron_tg.rollout.types import Rollout
 

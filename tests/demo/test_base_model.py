@@ -16,13 +16,9 @@ import pytest
 
 from megatron_tg.agent.tools import search_lines
 from megatron_tg.chat.builder import simulate_rollout
-from megatron_tg.chat.framing import (
-    assistant_generation_text,
-    encode,
-    generation_prompt_ids,
-    insert_feedback,
-    parse_assistant,
-)
+from megatron_tg.chat.feedback import insert_feedback
+from megatron_tg.chat.parsing import parse_assistant
+from megatron_tg.chat.template import assistant_generation_text, encode, generation_prompt_ids
 from megatron_tg.chat.tokenizer import get_tiny_tokenizer
 from megatron_tg.config.rollout import JudgeConfig
 from megatron_tg.demo import base_config as BC
@@ -344,7 +340,7 @@ def test_quick_build_loads_and_is_cached(quick_build, tok):
 
 @pytest.mark.slow
 def test_hf_sampler_left_padding_and_episodes(quick_build):
-    from megatron_tg.chat.framing import prompt_ids
+    from megatron_tg.chat.template import prompt_ids
 
     out, _ = quick_build
     model, tk = B.load_base_model(out)
