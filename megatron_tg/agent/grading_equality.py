@@ -31,6 +31,7 @@ BUILTIN_VALUES = frozenset({int, float, complex, str, bytes, bytearray, bool, ty
                             set, frozenset, range})
 CMP_NAME = "@tg_cmp"  # the builtin: not an identifier, so no source can spell it
 CMP_ARG = "tg_cmp_"  # the parameter: an identifier (pytest reads test signatures)
+DEF_NAME = "@tg_def"  # the builtin each test file's top-level statements report their bindings to
 
 
 class _Probe:
@@ -70,12 +71,58 @@ def near_miss(b, probe):
         return None
 
 
-def install(classify, protected, disguised, realpath, rewrite, run_by_policy, referents) -> object:
+def bound_names(stmt) -> list:
+    """The names a module-level statement binds for certain once it has run: a ``def``'s,
+    a ``class``'s, plain assignment targets and ``from m import n`` names (not ``*``, not
+    ``__future__``: nothing may come before a future import)."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [stmt.name]
+    targets = []
+    if isinstance(stmt, ast.Assign):
+        targets = list(stmt.targets)
+    elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)) and (not isinstance(stmt, ast.AnnAssign) or stmt.value):
+        targets = [stmt.target]
+    elif isinstance(stmt, ast.ImportFrom) and stmt.module != "__future__":
+        return [a.asname or a.name for a in stmt.names if a.name != "*"]
+    out = []
+    while targets:
+        t = targets.pop()
+        if isinstance(t, ast.Name):
+            out.append(t.id)
+        elif isinstance(t, (ast.Tuple, ast.List)):
+            targets.extend(t.elts)
+        elif isinstance(t, ast.Starred):
+            targets.append(t.value)
+    return out
+
+
+def record_definitions(mod, path: str) -> frozenset:
+    """After each module-level statement of a test file, a call of the builtin ``DEF_NAME``
+    with the file's path, each name the statement bound and its value: what the test file
+    itself defined, before any other code can rebind it (the policy's code can run during
+    pytest's collection, after the module has run, and swap what an item calls). Returns
+    the names recorded."""
+    body, names = [], set()
+    for stmt in mod.body:
+        body.append(stmt)
+        for n in bound_names(stmt):
+            names.add(n)
+            call = ast.Call(ast.Name(DEF_NAME, ast.Load()), [ast.Constant(path), ast.Constant(n), ast.Name(n, ast.Load())],
+                            [])
+            body.append(ast.fix_missing_locations(ast.copy_location(ast.Expr(call), stmt)))
+    mod.body = body
+    return frozenset(names)
+
+
+def install(classify, protected, disguised, realpath, rewrite, run_by_policy, referents, define,
+            instrumented) -> object:
     """Put the check in place (the builtin, pytest's assert rewriting of the protected files)
     and return it. ``classify(filename)`` says whose code a file is; ``disguised(code,
     globals)`` whether a function claiming a library file runs in another namespace;
     ``run_by_policy()`` where the policy's code called the test whose assert is running;
-    ``referents(x)`` what ``x`` holds (``gc.get_referents``, read as the runner's own)."""
+    ``referents(x)`` what ``x`` holds (``gc.get_referents``, read as the runner's own).
+    ``define(path, name, value)`` is the builtin ``DEF_NAME`` (:func:`record_definitions`);
+    ``instrumented[path]`` gets the names each rewritten test file records."""
     # A metaclass can define ``__dict__`` and ``__mro__`` as properties that hide an __eq__
     # from whoever asks the class; CPython's own operator lookup uses the real ones.
     _real_dict = type.__dict__["__dict__"].__get__
@@ -189,6 +236,34 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
                 return f"{t.__qualname__}.{name}"
         return None
 
+    def holds_foreign(x, depth, budget, _referents=referents, _comparer=comparer, _classify=classify,
+                      _values=BUILTIN_VALUES):
+        """The class of the first object that ``x`` holds (its slots, its ``__dict__``'s values,
+        inside builtin containers, ``depth`` levels down) whose comparison the policy wrote, or
+        None. A library's comparison on a library's class answers with its instance's state:
+        ``Fraction.__eq__`` compares ``_numerator``, which the policy can set to an object of
+        its own. Read with ``gc.get_referents`` (no attribute lookup on the object)."""
+        try:
+            held = _referents(x)
+        except Exception:
+            return None
+        for r in held:
+            budget[0] -= 1
+            if budget[0] < 0:
+                return None
+            t = type(r)
+            if issubclass(t, type):
+                continue  # the instance's class
+            if t not in _values:
+                who = _comparer(t, "__eq__")
+                if who is not None and (_classify(who[0]) == "solution" if who[0] is not None else who[1]):
+                    return t
+            if depth > 0:
+                inner = holds_foreign(r, depth - 1, budget)
+                if inner is not None:
+                    return inner
+        return None
+
     _nothing = object()
 
     def wrapped(x, t, _cdict=_real_dict, _mro=_real_mro, _wrappers=DATA_WRAPPERS, _referents=referents,
@@ -212,7 +287,7 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
 
     def disagrees(x, b, op, budget, again=False, _classify=classify, _values=BUILTIN_VALUES, _protected=protected,
                   _claims=claims, _Probe=_Probe, _comparer=comparer, _forwarders=OPAQUE_FORWARDERS,
-                  _wrapped=wrapped, _nothing=_nothing, _near=near_miss):
+                  _wrapped=wrapped, _nothing=_nothing, _near=near_miss, _holds=holds_foreign):
         """Where ``x`` is compared with the builtin value ``b``: the first part of ``x`` (itself,
         or an item at the same place in a builtin container) whose comparison the policy (or
         pytest: ``approx`` handed back as a result) wrote and which claims equality that
@@ -263,6 +338,13 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
                 ours = k == "solution" or (k == "trusted" and filename not in _protected)
             else:
                 ours = heap_c
+        held = None
+        if not ours:
+            # a library's comparison deciding by state the policy put in (a Fraction whose
+            # numerator is the policy's object) is the policy's: its claim must be granted by
+            # the builtin's own operator (which grants no Fraction equal to an int)
+            held = _holds(x, 2, [200])
+            ours = held is not None
         if not ours:
             # library code: ready-made always-equal objects exist there (unittest.mock.ANY,
             # test.support.ALWAYS_EQ); an honest library __eq__ (Fraction, Decimal) does not
@@ -286,7 +368,7 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
             return None
         if own is True:
             return None
-        return f"{t.__qualname__}.{name}"
+        return f"{t.__qualname__}.{name}" + (f" (holding the solution's {_qualname(held)!s:.80})" if held else "")
 
     def checked(op, left, right, made_l=False, made_r=False, _foreign=foreign_eq, _values=BUILTIN_VALUES,
                 _audit=sys.audit, _disagrees=disagrees, _bool=bool, _by_policy=run_by_policy):
@@ -300,11 +382,14 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
             truth = _bool(left in right)
         else:
             truth = _bool(left not in right)
-        if not truth:
-            return False
+        # Who ran the test is asked whatever the answer: a failing assert teaches an oracle
+        # as much (its rewritten message names the expected value; a probe's __eq__ is
+        # handed it) as a passing one.
         where = _by_policy()
         if where:
             _audit("tg.flag", f"a test's assert run by the solution's code ({where})")
+        if not truth:
+            return False
         for a, b, made in ((left, right, made_l), (right, left, made_r)):
             if type(b) in _values and not made:
                 bad = None
@@ -328,6 +413,7 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
         return True
 
     builtins.__dict__[CMP_NAME] = checked
+    builtins.__dict__[DEF_NAME] = define
     ops = {ast.Eq: "==", ast.NotEq: "!=", ast.In: "in", ast.NotIn: "not in"}
 
     class CompareGuard(ast.NodeTransformer):
@@ -376,13 +462,18 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
             return node
 
     def rewrite_asserts(mod, source, module_path=None, config=None, _orig=rewrite.rewrite_asserts,
-                        _protected=protected, _guard=Guard, _real=realpath):
+                        _protected=protected, _guard=Guard, _real=realpath, _record=record_definitions,
+                        _instrumented=instrumented):
         if module_path is not None and _real(str(module_path)) in _protected:
             _guard().visit(mod)
+            path = _real(str(module_path))
+            names = _record(mod, path)
+            _instrumented[path] = _instrumented.get(path, frozenset()) | names
         return _orig(mod, source, module_path, config)
 
     rewrite.rewrite_asserts = rewrite_asserts
     return checked
 
 
-__all__ = ["BUILTIN_VALUES", "CMP_ARG", "CMP_NAME", "install", "near_miss"]
+__all__ = ["BUILTIN_VALUES", "CMP_ARG", "CMP_NAME", "DEF_NAME", "bound_names", "install", "near_miss",
+           "record_definitions"]

@@ -25,19 +25,47 @@ import types
 ROOT_NAMES = ("pytest", "_pytest", "pluggy")
 RUNNER_PREFIX = "tg_runner_"  # the runner's sibling modules, as run.py registers them
 WATCHED_STDLIB = frozenset({"os", "posixpath", "json", "json.encoder", "ast", "threading", "subprocess",
-                            "_posixsubprocess", "_signal", "signal", "_imp"})
+                            "_posixsubprocess", "_signal", "signal", "_imp", "warnings", "linecache"})
 # Rebound by pytest itself during a run (its state, not code).
 VOLATILE = {"_pytest.assertion.util": ("_reprcompare", "_assertion_pass", "_config"), "builtins": ("_",),
             "threading": ("excepthook",), "_pytest.config.Config": ("_getini_unknown_type",),
             "_pytest.debugging.pytestPDB": ("_config", "_pluginmanager", "_saved", "_recursive_debug",
-                                            "_wrapped_pdb_cls")}
-VOLATILE_ANYWHERE = frozenset({"_pytest_diamond_inheritance_warning_shown"})
+                                            "_wrapped_pdb_cls"),
+            # warnings.catch_warnings (pytest's, around each test) rebinds these and puts back
+            # the originals when it leaves
+            "warnings": ("filters", "showwarning", "_showwarnmsg_impl")}
+# A warning issued from a module creates that module's registry of warnings already shown
+# (pytest's PytestReturnNotNoneWarning creates _pytest.python's): state, not a patch.
+VOLATILE_ANYWHERE = frozenset({"_pytest_diamond_inheritance_warning_shown", "__warningregistry__"})
 
 
-def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, cmp_arg):
+_fdict = types.FunctionType.__dict__["__dict__"].__get__
+_mfunc = types.MethodType.__dict__["__func__"].__get__
+_mself = types.MethodType.__dict__["__self__"].__get__
+_pfunc = functools.partial.__dict__["func"].__get__
+
+
+def inner_of(fn, _fn=types.FunctionType, _m=types.MethodType, _partial=functools.partial):
+    """What ``fn`` wraps: a bound method's function, a function's ``__wrapped__``
+    (``functools.wraps``), a partial's function; None for anything else. Read through the
+    types' own descriptors: an attribute lookup on an object of the policy's would run its
+    code inside the grader's checks."""
+    t = type(fn)
+    if t is _m:
+        return _mfunc(fn)
+    if t is _fn:
+        d = _fdict(fn)
+        return dict.get(d, "__wrapped__") if isinstance(d, dict) else None
+    if t is _partial:
+        return _pfunc(fn)
+    return None
+
+
+def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, cmp_arg, defs):
     """The checks, bound to the runner's view of the run: ``classify(filename)`` says whose
     code a file is; ``code_of(fn)`` reads a function's code without the audit hook judging
-    the read; ``checked`` is the comparison every test function must have bound."""
+    the read; ``checked`` is the comparison every test function must have bound; ``defs``
+    what the test files defined (the runner's records, see ``called_problem``)."""
     # ---- the namespaces the policy must not patch: (name, module, dict, keys, values, class),
     # immutable, so the per-test check reachable through pytest cannot be fed a new baseline.
     # The values themselves are kept (alive), and compared by identity (``operator.is_``, at
@@ -119,12 +147,18 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
 
     def compare(before, where, config=None, _audit=sys.audit, _volatile=VOLATILE, _modules=sys.modules,
                 _hooks=foreign_hooks, _protected=protected, _ws=ws, _changes=changes, _state=state_of,
-                _same=same_state, _last=[None], _cmp=cmp_name):
+                _same=same_state, _last=[None], _cmp=cmp_name, _gettrace=sys.gettrace, _getprofile=sys.getprofile):
         """Flag what changed since ``before``. Most of it (the namespaces pytest does not rebind
         itself) is compared as one flat state, at C speed, with the last state found clean:
         only where that differs is each namespace looked at in detail (an import adds names,
         which are no patch; the detail is always against ``before``, so a state found clean is
-        clean whatever it was compared with). The names pytest rebinds are always detailed."""
+        clean whatever it was compared with). The names pytest rebinds are always detailed.
+        A trace or profile function set on this thread (pytest sets none) sees every frame of
+        the tests and can rewrite their locals (3.11 writes a tracer's ``f_locals`` back):
+        flagged whoever installed it, which may have been done with no frame of the policy's
+        on the stack (a C callable run by pytest's collection)."""
+        if _gettrace() is not None or _getprofile() is not None:
+            _audit("tg.flag", f"a trace or profile function is set ({where})")
         for m in list(_modules.values()):
             f = getattr(m, "__file__", None)
             if type(f) is str and f in _protected:
@@ -147,7 +181,8 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
             _last[0] = (before, now)
 
     def item_problem(item, _module=types.ModuleType, _code_file=code_file, _norm=norm, _protected=protected,
-                     _code_of=code_of):
+                     _code_of=code_of, _same_as_defined=lambda item: called_problem(item) is None
+                     and type(expected_call(item.nodeid)) is tuple):
         """Why the function pytest is about to call is not the test its file defines, or None:
         the module's class swapped (it hands pytest whatever it likes), or the function's code
         (through bound methods and ``functools.wraps``) not from the item's own test file or
@@ -162,14 +197,14 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
             name = _code_file(fn)
             if name is not None:
                 innermost = (_norm(name), fn)
-            nxt = getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
+            nxt = inner_of(fn)
             if nxt is None or nxt is fn:
                 break
             fn = nxt
         if innermost is None or not (innermost[0] == own or innermost[0] in _protected):
             return f"{item.nodeid}: runs code from {innermost[0] if innermost else 'no file'}, not its test file"
         cname = getattr(_code_of(innermost[1]), "co_name", "")
-        if cname != item.originalname and str(cname).startswith("test"):
+        if cname != item.originalname and str(cname).startswith("test") and not _same_as_defined(item):
             return f"{item.nodeid}: runs the code of {cname!s:.80}"
         return None
 
@@ -237,7 +272,7 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
         Compared by identity (code objects compare equal by content)."""
         fn = getattr(item, "obj", None)
         for _ in range(16):
-            nxt = getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None)
+            nxt = inner_of(fn)
             if nxt is None or nxt is fn:
                 break
             fn = nxt
@@ -293,8 +328,75 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
                     out.append(f"{m.__file__[len(_ws):]}: {k!s:.60} rebound to the solution's code")
         return out
 
+    defined, classes, instrumented, realpath = defs
+
+    def expected_call(nodeid, _defined=defined, _classes=classes, _instrumented=instrumented, _real=realpath,
+                      _ws=ws, _cdict=type.__dict__["__dict__"].__get__, _mro=type.__dict__["__mro__"].__get__,
+                      _wrapped=(staticmethod, classmethod),
+                      _sfunc=staticmethod.__dict__["__func__"].__get__, _cfunc=classmethod.__dict__["__func__"].__get__):
+        """(the class or None, the function) that the item ``nodeid`` names, as its test file
+        defined them (the runner's records), or None when the file did not record the name
+        (a test made otherwise: ``globals()[name] = ...``, an import), or the string
+        ``"unrecorded"`` when the file's code should have recorded it and did not."""
+        head = str.__str__(nodeid).partition("[")[0]
+        parts = head.split("::")
+        if len(parts) < 2:
+            return None
+        path = _real(_ws + parts[0])
+        names = _instrumented.get(path)
+        if names is None:
+            return None
+        ns, cls = _defined.get(path, {}), None
+        for i, part in enumerate(parts[1:-1]):
+            if i == 0 and part in names and part not in ns:
+                return "unrecorded"
+            v = ns.get(part)
+            rec = _classes.get(id(v)) if issubclass(type(v), type) else None
+            if rec is None or rec[0] is not v:
+                return None
+            cls, ns = v, rec[1]
+        last = parts[-1]
+        if cls is None:
+            if last in names and last not in ns:
+                return "unrecorded"
+            return (None, ns[last]) if last in ns else None
+        for c in _mro(cls):  # a method: where its class (or a base) defines it, as recorded
+            if last in _cdict(c):
+                rec = _classes.get(id(c))
+                if rec is None or rec[0] is not c or last not in rec[1]:
+                    return None
+                fn = rec[1][last]
+                if type(fn) is staticmethod:
+                    fn = _sfunc(fn)
+                elif type(fn) is classmethod:
+                    fn = _cfunc(fn)
+                return cls, fn
+        return None
+
+    def called_problem(item, _expected=expected_call, _m=types.MethodType):
+        """Why what pytest is about to call for ``item`` (``item.obj``) is not the test
+        function its file defined under the name the node id gives (a bound method of an
+        instance of the item's class, for a method), or None. Decided by identity with the
+        object the file's own statement bound, so that neither a wrapper whose
+        ``__wrapped__`` is the real test nor another pristine function passes."""
+        exp = _expected(item.nodeid)
+        if exp is None:
+            return None
+        if type(exp) is str:
+            return f"{item.nodeid!s:.200}: its test file's definition was never recorded"
+        cls, fn = exp
+        obj = item.obj
+        got = _mfunc(obj) if type(obj) is _m else obj
+        if got is not fn:
+            return f"{item.nodeid!s:.200}: pytest is about to call another object than the test its file defines"
+        if cls is not None and type(obj) is _m:
+            me = _mself(obj)
+            if not (me is cls or type(me) is cls):
+                return f"{item.nodeid!s:.200}: its test method is bound to another object than an instance of its class"
+        return None
+
     return types.SimpleNamespace(snapshot=snapshot, compare=compare, item_problem=item_problem,
-                                 collected=collected, item_problems=item_problems)
+                                 collected=collected, item_problems=item_problems, called_problem=called_problem)
 
 
 __all__ = ["ROOT_NAMES", "RUNNER_PREFIX", "VOLATILE", "VOLATILE_ANYWHERE", "WATCHED_STDLIB", "build"]

@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import threading
+import types
 
 import _imp
 import _posixsubprocess
@@ -54,6 +55,11 @@ HEAP_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_e
 # in a namespace of the same name is anybody's.
 BENIGN_SINKS = (("logging", "Logger", "findCaller"), ("typing", None, "_caller"), ("collections", None, "namedtuple"),
                 ("enum", "EnumType", "_create_"), ("enum", "EnumType", "__new__"), ("enum", "EnumType", "_convert_"))
+# Heap walks pytest, pluggy and this runner never make: one whose nearest frame that is not a
+# library's is theirs ran from a callback made only of C callables (a class's __getattribute__
+# that is a functools.partial, run by pytest's collection), which no frame of the policy's shows.
+UNOWNED_HEAP = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
+                          "sys._current_exceptions"})
 EVIDENCE_REPLACED = 3  # the exit status when the evidence pipe is not the one the host gave
 
 
@@ -319,13 +325,21 @@ def main() -> None:
         if p.startswith(_libs) and "/." not in p:
             return False  # imports: read-only library trees, no link there leads elsewhere
         rp = realpath(p)
+        # /proc itself, a process's or a thread's directory (/proc/self resolves to one): a
+        # descriptor of it opens "mem", "maps" or "fd/N" relative to it, names no check knows
+        parts = rp.split("/")
+        if rp in ("/proc", "/proc/self", "/proc/thread-self") or (
+                len(parts) in (3, 5) and parts[1] == "proc" and parts[2].isdigit()
+                and (len(parts) == 3 or (parts[3] == "task" and parts[4].isdigit()))):
+            return True
         return (rp in protected or rp.startswith(runner_dir) or rp.startswith(("/proc/self/mem", "/proc/self/fd",
                 "/dev/fd")) or (rp.startswith("/proc/") and rp.endswith(("/mem", "/fd", "/environ", "/maps"))))
 
     watch = HEAP_EVENTS | {"tg.emit", "tg.flag", "object.__getattr__", "object.__setattr__", "object.__delattr__",
                            "os.kill", "open", "os.listdir", "os.scandir", "compile", "subprocess.Popen", "os.system",
                            "os.exec", "os.posix_spawn", "os.spawn", "pty.spawn", "marshal.loads", "marshal.load",
-                           "exec", "tg.fork_exec", "tg.signal", "tg.second_module", "os.symlink", "os.link"}
+                           "exec", "tg.fork_exec", "tg.signal", "tg.second_module", "os.symlink", "os.link",
+                           "cpython.PyInterpreterState_New"}
     hidden_names = frozenset(os.path.basename(p) for p in protected)
     import_frames = ("<frozen importlib", "<frozen zipimport")
     cwfr = sys.modules["importlib._bootstrap"]._call_with_frames_removed.__code__
@@ -394,13 +408,23 @@ def main() -> None:
             if added:
                 _busy.discard(me)
 
-    def code_of(fn, _busy=busy):
-        """``fn``'s code object, read without this hook judging the read itself."""
+    def code_of(fn, _busy=busy, _fn=types.FunctionType, _m=types.MethodType,
+                _code=types.FunctionType.__dict__["__code__"].__get__,
+                _func=types.MethodType.__dict__["__func__"].__get__):
+        """``fn``'s code object (a function's, or a bound method's function's; None for any
+        other object), read without this hook judging the read itself. Read through the
+        types' own descriptors, never by attribute lookup: the hook ignores events while the
+        thread is busy, and a lookup on an object of the policy's (``__getattr__``, a
+        property) would run its code in that window."""
+        if type(fn) is _m:
+            fn = _func(fn)
+        if type(fn) is not _fn:
+            return None
         me = getident()
         added = me not in _busy
         _busy.add(me)
         try:
-            return getattr(fn, "__code__", None)
+            return _code(fn)
         finally:
             if added:
                 _busy.discard(me)
@@ -580,6 +604,12 @@ def main() -> None:
             what = f"process creation (_posixsubprocess.fork_exec {str(args[:1])[:200]})"
         elif event == "tg.signal":  # the runner's wrapper of _signal.signal
             what = f"a signal handler installed (signal {str(args[0])[:40]})"
+        elif event == "cpython.PyInterpreterState_New":
+            # audit hooks are per interpreter: a subinterpreter (_xxsubinterpreters) runs
+            # whatever it is given (an open of a hidden test, /proc/self/mem) with none of
+            # this runner's; no honest solution makes one
+            what = "a subinterpreter created"
+            anyone = True
         elif event == "tg.second_module":  # the runner's wrapper of _imp.create_dynamic / create_builtin
             what = f"a second copy of the C module {args[0]}"
             anyone = True
@@ -605,6 +635,21 @@ def main() -> None:
                     if kind(f.f_code.co_filename) == "solution":
                         where = culprit(f)
                     f = f.f_back
+            if where is None and event in UNOWNED_HEAP:
+                # the import system's frame below the caller, before any code that is not a
+                # library's (a finalizer run when importlib drops a module), or pytest's or the
+                # runner's as the nearest that is not a library's
+                f = getframe(1)
+                while f is not None and frame_kind(f) == "library":
+                    if f.f_code.co_filename.startswith(import_frames):
+                        break
+                    f = f.f_back
+                if f is not None and not f.f_code.co_filename.startswith(import_frames) and not (
+                        kind(f.f_code.co_filename) == "trusted" and norm(f.f_code.co_filename) not in protected):
+                    f = None
+                if f is not None:
+                    where = (f"{f.f_code.co_filename}:{f.f_lineno} (the import system's, pytest's or the runner's "
+                             f"code, which never walks the heap)")
             if where is None and anyone:
                 where = "the import system"
             if where is not None:
@@ -697,12 +742,48 @@ def main() -> None:
             if added:
                 _busy.discard(me)
 
+    # ---- what each test file defined: its top-level statements report each binding as they
+    # run (grading_equality.record_definitions), before code of the policy's can rebind it;
+    # the item check compares what pytest is about to call with it.
+    defined: dict[str, dict] = {}  # a test file's real path -> {name: the value its statement bound}
+    classes: dict[int, tuple] = {}  # id(a class recorded, or nested in one) -> (the class, a copy of its dict)
+    instrumented: dict[str, frozenset] = {}  # a test file's real path -> the names its code records
+    cdict = type.__dict__["__dict__"].__get__
+
+    def snap(cls, depth=0, _classes=classes, _cdict=cdict):
+        d = dict(_cdict(cls))
+        _classes[id(cls)] = (cls, d)
+        for v in d.values():
+            if depth < 4 and issubclass(type(v), type) and id(v) not in _classes:
+                snap(v, depth + 1)
+
+    def define(path, name, value, _busy=busy, _getframe=sys._getframe, _defined=defined, _snap=snap, _real=realpath):
+        me = getident()
+        added = me not in _busy
+        _busy.add(me)  # the runner's own frame read: not judged
+        try:
+            code = _getframe(1).f_code
+            fn = code.co_filename
+            if not (type(path) is str and type(name) is str and code.co_name == "<module>"
+                    and isinstance(fn, str) and _real(str.__str__(fn)) == path):
+                flag(f"the runner's record of a test file's definitions called by other code "
+                     f"({culprit(_getframe(1), deep=True) or fn!s:.200})")
+                return
+            _defined.setdefault(path, {})[name] = value
+            if issubclass(type(value), type):
+                _snap(value)
+        finally:
+            if added:
+                _busy.discard(me)
+
     equality = _sibling("grading_equality")
-    checked = equality.install(classify, protected, disguised, realpath, rewrite, assert_run_by_policy, referents)
+    checked = equality.install(classify, protected, disguised, realpath, rewrite, assert_run_by_policy, referents,
+                               define, instrumented)
     served.install(hidden, rewritten, rewrite)  # compiled through the guard just installed; text dropped
     del hidden
     checks = _sibling("grading_namespaces").build(classify, protected, ws, code_of, code_file, norm, checked,
-                                                  equality.CMP_NAME, equality.CMP_ARG)
+                                                  equality.CMP_NAME, equality.CMP_ARG,
+                                                  (defined, classes, instrumented, realpath))
     compare = checks.compare
     base = checks.snapshot()
     state = [None, None]  # the Config and the collected items, reachable only through (audited) defaults
@@ -765,7 +846,14 @@ def main() -> None:
             return out
 
         @pytest.hookimpl(wrapper=True, trylast=True)  # innermost: pytest's own call of the function next
-        def pytest_pyfunc_call(self, pyfuncitem, _ran=ran):
+        def pytest_pyfunc_call(self, pyfuncitem, _ran=ran, _audit=sys.audit, _called=checks.called_problem,
+                               _gettrace=sys.gettrace, _getprofile=sys.getprofile):
+            # what pytest calls next is pyfuncitem.obj: the function its test file defined
+            bad = _called(pyfuncitem)
+            if bad:
+                _audit("tg.flag", bad)
+            if _gettrace() is not None or _getprofile() is not None:
+                _audit("tg.flag", f"a trace or profile function is set (calling {pyfuncitem.nodeid!s:.200})")
             _ran.add(pyfuncitem.nodeid)
             return (yield)
 
