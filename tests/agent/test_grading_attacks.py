@@ -297,6 +297,20 @@ def test_too_many_files_are_refused_before_any_read(monkeypatch, grader):
     assert not g.passed and g.reason == "not graded: the workspace has more than 50 entries (its quota)"
 
 
+def test_too_many_changed_files_are_refused_after_a_bounded_read(monkeypatch, grader):
+    """Empty files are within every byte quota; each costs a read, a write and a removal (the
+    sixth review's 150,000 took 92-117 s to grade): the change's file count is bounded."""
+    monkeypatch.setattr("megatron_tg.agent.changes.MAX_CHANGED_FILES", 20)
+    g = grade(grader, {"calc.py": CORRECT, **{f"junk/{i}.txt": "" for i in range(30)}})
+    assert not g.passed and g.reason == "not graded: the change has more than 20 added or changed files", g.reason
+
+
+def test_a_workspace_read_past_its_deadline_is_refused(monkeypatch, grader):
+    monkeypatch.setattr("megatron_tg.agent.grading.PREPARE_S", -1.0)
+    g = grade(grader, {"calc.py": CORRECT})
+    assert not g.passed and g.reason.startswith("not graded: the workspace took too long to read"), g.reason
+
+
 def test_binary_and_oversized_changes_are_refused(grader):
     g = grade(grader, {"calc.py": CORRECT}, after=lambda ws: Path(ws, "blob.py").write_bytes(b"x = 1\0\n"))
     assert not g.passed and g.reason == "not graded: blob.py has binary content (only text changes are graded)"
@@ -637,3 +651,11 @@ def test_a_live_racer_beside_a_correct_solution_changes_no_host_file(grader, tmp
     it is read: whatever the verdict, the host victim is unchanged (checked by the helper and
     the attack's own host check)."""
     _grade_review6(grader, tmp_path, "live-racer-toctou-links-during-extract")
+
+
+def test_the_sixth_review_s_many_empty_files_are_refused_after_a_bounded_read(grader, tmp_path):
+    """150,000 empty files (goal c) took 92-117 s to grade on 521c45e: the change's file count
+    is bounded, so the grade stops after reading MAX_CHANGED_FILES of them."""
+    from megatron_tg.agent.changes import MAX_CHANGED_FILES
+    g = _grade_review6(grader, tmp_path, "150k-empty-files-grading-cost")
+    assert not g.passed and g.reason == f"not graded: the change has more than {MAX_CHANGED_FILES} added or changed files"
