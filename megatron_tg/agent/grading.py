@@ -51,7 +51,8 @@ RUNNER = Path(__file__).with_name("grading_runner.py")
 # The runner's files as the sandbox sees them (its directory, read-only): the entry point is
 # run.py, the modules it loads from beside itself keep their names.
 RUNNER_FILES = {"run.py": RUNNER, **{name: RUNNER.with_name(name) for name in (
-    "grading_equality.py", "grading_namespaces.py", "grading_sources.py")}}
+    "grading_asserts.py", "grading_attribution.py", "grading_equality.py", "grading_hook.py", "grading_items.py",
+    "grading_namespaces.py", "grading_sources.py")}}
 EVIDENCE_REPLACED = 3  # the runner's exit status when the evidence pipe was not the one it was given
 GRADER_INI = "[pytest]\naddopts =\n"
 MAX_EVIDENCE_BYTES = 16 << 20
