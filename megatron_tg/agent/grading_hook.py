@@ -27,11 +27,12 @@ HEAP_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_e
                          "sys.setprofile", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
                          "sys.addaudithook", "code.__new__", "function.__new__", "os.killpg",
                          "signal.pthread_kill", "sys.remote_exec", "os.fork", "os.forkpty"})
-# Heap walks pytest, pluggy and this runner never make: one whose nearest frame that is not a
-# library's is theirs ran from a callback made only of C callables (a class's __getattribute__
-# that is a functools.partial, run by pytest's collection), which no frame of the policy's shows.
+# Heap walks and tracers pytest, pluggy, the import system and this runner never make: one whose
+# nearest frame that is not a library's is theirs ran from a callback made only of C callables
+# (a class's __getattribute__ that is a functools.partial, run by pytest's collection), which no
+# frame of the policy's shows.
 UNOWNED_HEAP = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
-                          "sys._current_exceptions"})
+                          "sys._current_exceptions", "sys.settrace", "sys.setprofile"})
 
 
 def build(a, flag, emit, from_pytest, protected, libs, runner_dir):
@@ -309,7 +310,7 @@ def build(a, flag, emit, from_pytest, protected, libs, runner_dir):
                     f = None
                 if f is not None:
                     where = (f"{f.f_code.co_filename}:{f.f_lineno} (the import system's, pytest's or the runner's "
-                             f"code, which never walks the heap)")
+                             f"code, which never does)")
             if where is None and anyone:
                 where = "the import system"
             if where is not None:
