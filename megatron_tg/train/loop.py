@@ -3,7 +3,9 @@
     python -m megatron_tg.train --recipe recipes/tiny_cpu.yaml [key=value ...]
 
 One process per GPU (torchrun or srun); global rank 0 also owns the rollout side (engines,
-manager, judge), which generates in the background while the trainer trains. On SIGUSR1 or
+manager, judge), which generates in the background while the trainer trains (with
+``rollout.placement=colocated`` the two take turns on the same GPUs instead:
+:mod:`megatron_tg.weight_sync.colocated`). On SIGUSR1 or
 SIGTERM (Slurm's warning before the time limit) the loop finishes the current step, saves a
 checkpoint and exits with :data:`EXIT_REQUEUE` so the batch script requeues the job; a
 restarted job resumes from the newest checkpoint.
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_tg.config.schema import TGConfig
 from megatron_tg.sampling.protocols import MakeRolloutSource
-from megatron_tg.train.colocated import make_phases
+from megatron_tg.weight_sync.colocated import make_phases
 from megatron_tg.train.manifest import write_manifest
 from megatron_tg.train.metrics import MetricsLogger
 from megatron_tg.train.samples import SampleRecorder
