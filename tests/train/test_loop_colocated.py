@@ -1,7 +1,8 @@
 """rollout.placement=colocated on the CPU loop: 2 trainer ranks (TP 2) and one embedded engine
 started with --enable-memory-saver take turns (docs/colocated.md). At max_staleness=0 with
-seeded sampling the run trains to the same step losses as the disaggregated run, and no train
-step starts while the engine holds memory (the loop checks the engine's /server_info
+seeded sampling the run trains to the same step losses as the disaggregated run, a colocated
+run stopped and restarted from its checkpoint trains on after it, and no train step starts
+while the engine holds memory (the loop checks the engine's /server_info
 ``memory_occupation`` after releasing it, and logs what it read)."""
 
 from __future__ import annotations
@@ -17,16 +18,26 @@ def test_colocated_trains_to_the_disaggregated_losses(policy_dir, tmp_path):  # 
     rubric = tmp_path / "coin_flips.yaml"  # every turn, so a rollout cut by length is judged too
     rubric.write_text(RUBRIC.replace("scope: final_turn", "scope: every_turn"))
     rows = {}
-    for placement in ("disaggregated", "colocated"):
-        run_dir = tmp_path / placement
+    # "resumed": colocated, stopped after its step-2 checkpoint and restarted for step 3 (the
+    # restart pushes the checkpoint's weights into engines that hold the base weights).
+    for name, placement, legs in (("disaggregated", "disaggregated", [3]),
+                                  ("colocated", "colocated", [3]), ("resumed", "colocated", [2, 3])):
+        run_dir = tmp_path / name
         run_dir.mkdir()
-        procs = _launch(policy_dir, run_dir, steps=3, extra=[
-            f"rollout.placement={placement}", "rollout.sampling_seed=1234",
-            "rollout.max_staleness=0", "rollout.group_size=4", f"judge.rubric={rubric}",
-            "objective.primary_criteria=[has_e]", "rollout.max_new_tokens=24"])
-        assert _wait(procs, 600) == [0, 0], _tail(run_dir)
-        rows[placement] = _rows(run_dir)
-    a, b = rows["disaggregated"], rows["colocated"]
+        for steps in legs:
+            procs = _launch(policy_dir, run_dir, steps=steps, extra=[
+                f"rollout.placement={placement}", "rollout.sampling_seed=1234",
+                "rollout.max_staleness=0", "rollout.group_size=4", f"judge.rubric={rubric}",
+                "objective.primary_criteria=[has_e]", "rollout.max_new_tokens=24"])
+            assert _wait(procs, 600) == [0, 0], _tail(run_dir)
+        rows[name] = _rows(run_dir)
+    a, b, c = rows["disaggregated"], rows["colocated"], rows["resumed"]
+    assert [r["step"] for r in c] == [1, 2, 3]
+    # the resumed run's step 3 trains on what the uninterrupted run's did
+    for k in ("rollout/response_tokens", "reward/mean", "kl/frac_gated"):
+        assert c[2][k] == b[2][k], k
+    assert c[2]["loss"] == pytest.approx(b[2]["loss"], abs=2e-7)
+    assert c[2]["sync/probe_logprob_diff"] < 0.1
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
     diff = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
     print(f"\nmax |colocated - disaggregated| step loss: {diff}; losses {[r['loss'] for r in a]}")
