@@ -4,7 +4,7 @@ The RL runs generate with the project's real rollout path: the
 :class:`~megatron_tg.rollout.manager.RolloutManager` calls :class:`DemoAgent` once per rollout
 with a :class:`~megatron_tg.rollout.context.RolloutContext`, whose ``generate`` talks to the
 engines over SGLang's HTTP API (the embedded CPU engine here). The episode is the same as the
-lock-step driver :func:`megatron_tg.demo.task.run_episodes` that evaluates the base model —
+lock-step driver :func:`megatron_tg.demo.episodes.run_episodes` that evaluates the base model —
 same prompt, tool, stop rules and verdicts — but asynchronous and version-aware, so rollouts
 of different groups interleave on the engine while the trainer trains.
 

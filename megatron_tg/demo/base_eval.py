@@ -7,6 +7,7 @@ import random
 import time
 from typing import Any, Sequence
 
+from megatron_tg.demo import episodes as E
 from megatron_tg.demo import task as T
 from megatron_tg.demo.base_config import BaseModelConfig
 from megatron_tg.demo.sft_data import format_branch, turn_ids
@@ -15,7 +16,7 @@ from megatron_tg.demo.sft_data import format_branch, turn_ids
 # ------------------------------------------------------------------------------ sampling
 def hf_generate_batch(model, tokenizer, *, temperature: float = 1.0, max_new_tokens: int = 48,
                       batch_size: int = 128, generator_seed: int | None = None):
-    """A ``generate_batch`` for :func:`~megatron_tg.demo.task.run_episodes` backed by HF
+    """A ``generate_batch`` for :func:`~megatron_tg.demo.episodes.run_episodes` backed by HF
     ``generate``: left-padded batches, pure temperature sampling over the full vocabulary
     (``top_k=0``, ``top_p=1``), returns ``(ids, logprobs)`` per row with log-probs of
     ``log_softmax(logits / temperature)`` (the engine's convention); ``temperature=0`` is
@@ -157,11 +158,11 @@ def evaluate(model, tokenizer, cfg: BaseModelConfig, *, n: int | None = None, se
                             generator_seed=seed + 17)
     kw = dict(max_turns=cfg.max_turns)
     t0 = time.perf_counter()
-    no_hint = T.run_episodes(tasks, gen, tokenizer, **kw)
-    hinted = T.run_episodes(tasks, gen, tokenizer, hint=T.HINT, **kw)
+    no_hint = E.run_episodes(tasks, gen, tokenizer, **kw)
+    hinted = E.run_episodes(tasks, gen, tokenizer, hint=T.HINT, **kw)
     rng = random.Random(f"demo-eval:{seed}")
     forced = [turn_ids(tokenizer, t, new_format=True, lines=rng.randint(*T.NEW_FORMAT_LINES)) for t in tasks]
-    forced_eps = T.run_episodes(tasks, _forced_first_turn(gen, forced), tokenizer, **kw)
+    forced_eps = E.run_episodes(tasks, _forced_first_turn(gen, forced), tokenizer, **kw)
     sample_s = time.perf_counter() - t0
     pb_no = branch_probabilities(model, tokenizer, tasks, hint=None)
     pb_hint = branch_probabilities(model, tokenizer, tasks, hint=T.HINT)
@@ -170,14 +171,14 @@ def evaluate(model, tokenizer, cfg: BaseModelConfig, *, n: int | None = None, se
     m = {
         "eval_episodes": n,
         "eval_temperature": cfg.eval_temperature,
-        "success_no_hint": T.rate(no_hint, "success"),
-        "new_format_no_hint": T.rate(no_hint, "new_format"),
+        "success_no_hint": E.rate(no_hint, "success"),
+        "new_format_no_hint": E.rate(no_hint, "new_format"),
         "new_format_no_hint_count": sum(e.new_format for e in no_hint),
         "search_call_rate_no_hint": sum(1 for f in first_no if f is not None) / n,
-        "format_ok_no_hint": T.rate(no_hint, "format_ok"),
-        "success_hint": T.rate(hinted, "success"),
-        "new_format_hint": T.rate(hinted, "new_format"),
-        "success_forced_new_no_hint": T.rate(forced_eps, "success"),
+        "format_ok_no_hint": E.rate(no_hint, "format_ok"),
+        "success_hint": E.rate(hinted, "success"),
+        "new_format_hint": E.rate(hinted, "new_format"),
+        "success_forced_new_no_hint": E.rate(forced_eps, "success"),
         "p_branch_no_hint_mean": sum(pb_no) / n,
         "p_branch_no_hint_max": max(pb_no),
         "p_branch_hint_mean": sum(pb_hint) / n,

@@ -19,7 +19,7 @@ at toy scale, on CPU, in the project's real formats:
 3. model: ``transformers.Qwen3MoeForCausalLM`` (the 30B model's architecture path: q/k norm,
    GQA, top-k routed experts), trained with plain PyTorch AdamW;
 4. evaluation by sampling (temperature 1, full vocabulary) through the multi-turn episode
-   driver :func:`~megatron_tg.demo.task.run_episodes` with HF ``generate``, plus the exact
+   driver :func:`~megatron_tg.demo.episodes.run_episodes` with HF ``generate``, plus the exact
    teacher-forced probability of the new format's first token at the branch point;
 5. ``save_pretrained`` of model and tokenizer into ``out_dir`` + ``base_metrics.json``.
 
@@ -65,7 +65,7 @@ BUILD_FORMAT = 2  # bump when the build's outputs change meaning
 def _source_digest() -> str:
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    for name in ("task.py", "base_config.py", "sft_data.py", "base_eval.py", "base_model.py"):
+    for name in ("task.py", "episodes.py", "base_config.py", "sft_data.py", "base_eval.py", "base_model.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()
 

@@ -40,6 +40,7 @@ from megatron_tg.demo import base_eval as BE
 from megatron_tg.demo import base_model as B
 from megatron_tg.demo import paper_env as P
 from megatron_tg.demo import sft_data as SD
+from megatron_tg.demo import episodes as E
 from megatron_tg.demo import task as T
 
 BUILD_FORMAT = 1
@@ -61,8 +62,8 @@ def build_hash(cfg: BC.BaseModelConfig) -> str:
 
     here = Path(__file__).resolve().parent
     src = hashlib.sha256(b"".join((here / f).read_bytes() for f in
-                                  ("task.py", "base_config.py", "sft_data.py", "base_eval.py", "base_model.py",
-                                   "paper_env.py", "paper_base.py")))
+                                  ("task.py", "episodes.py", "base_config.py", "sft_data.py",
+                                   "base_eval.py", "base_model.py", "paper_env.py", "paper_base.py")))
     blob = json.dumps({"format": BUILD_FORMAT, "config": dataclasses.asdict(cfg),
                        "hints": P.all_fail_hints(), "source": src.hexdigest(),
                        "torch": torch.__version__, "transformers": transformers.__version__},
@@ -214,12 +215,12 @@ def evaluate(model, tok, cfg: BC.BaseModelConfig) -> dict[str, Any]:
         conds[f"hint_{c}"] = {k: P.hint_for([c]) for k, cs in enumerate(P.TURN_CRITERIA) if c in cs}
     m: dict[str, Any] = {"eval_episodes": len(tasks)}
     for name, hints in conds.items():
-        eps = T.run_episodes(tasks, gen, tok, hint_by_turn=hints, **kw)
-        m[f"success_{name}"] = T.rate(eps, "success")
+        eps = E.run_episodes(tasks, gen, tok, hint_by_turn=hints, **kw)
+        m[f"success_{name}"] = E.rate(eps, "success")
         m[f"thinking_words_{name}"] = sum(e.metrics["thinking_words"] for e in eps) / len(eps)
         for c, key in CRITERION_KEYS.items():
-            m[f"{c}_{name}"] = T.rate(eps, key)
-        m[f"all_criteria_{name}"] = T.rate(eps, "all_criteria")
+            m[f"{c}_{name}"] = E.rate(eps, key)
+        m[f"all_criteria_{name}"] = E.rate(eps, "all_criteria")
     for c, ps in decision_probabilities(model, tok, tasks[:64]).items():
         m[f"p_decision_no_hint_{c}_mean"] = sum(ps) / len(ps)
         m[f"p_decision_no_hint_{c}_max"] = max(ps)

@@ -25,6 +25,7 @@ from megatron_tg.demo import base_config as BC
 from megatron_tg.demo import base_eval as BE
 from megatron_tg.demo import base_model as B
 from megatron_tg.demo import sft_data as SD
+from megatron_tg.demo import episodes as E
 from megatron_tg.demo import task as T
 from megatron_tg.judge import Judge, Transcript, load_rubric
 
@@ -238,8 +239,8 @@ def test_sft_examples_are_the_rendered_rollouts(tok):
 @pytest.mark.parametrize("turn", [0, 1])
 def test_episode_hint_placement_equals_insert_feedback(tok, turn):
     t = T.make_task(0, 9)
-    plain = T.run_episodes([t], _scripted(tok, t, new_format=True, lines=2), tok)[0]
-    hinted = T.run_episodes([t], _scripted(tok, t, new_format=True, lines=2), tok,
+    plain = E.run_episodes([t], _scripted(tok, t, new_format=True, lines=2), tok)[0]
+    hinted = E.run_episodes([t], _scripted(tok, t, new_format=True, lines=2), tok,
                             hint=T.HINT, hint_turns=(turn,))[0]
     expert = insert_feedback(plain.rollout, {turn: T.HINT}, tok, framing="user", truncate=False)
     assert hinted.rollout.token_ids == expert.token_ids
@@ -253,7 +254,7 @@ def test_episode_driver_oracle_and_failures(tok):
     tasks = T.make_tasks(3, seed=2)
     for new in (False, True):
         for t in tasks:
-            e = T.run_episode(t, lambda ids, g=_scripted(tok, t, new_format=new): g([ids])[0], tok)
+            e = E.run_episode(t, lambda ids, g=_scripted(tok, t, new_format=new): g([ids])[0], tok)
             assert e.finish_reason == "stop" and e.success and e.new_format == new
             assert e.rollout.metadata["answer"] == t.answer and e.rollout.metadata["logprobs"] == "missing"
             assert [s.kind for s in e.rollout.segments] == ["prompt", "assistant", "tool", "assistant"]
@@ -261,13 +262,13 @@ def test_episode_driver_oracle_and_failures(tok):
     t = tasks[0]
     call = encode(tok, assistant_generation_text(tok, T.reference_messages(t, new_format=False)[1]))
     # the agent keeps searching: max_turns
-    e = T.run_episode(t, lambda ids: (call, [-0.5] * len(call)), tok, max_turns=2)
+    e = E.run_episode(t, lambda ids: (call, [-0.5] * len(call)), tok, max_turns=2)
     assert e.finish_reason == "max_turns" and not e.success and e.rollout.num_turns == 2
     assert "logprobs" not in e.rollout.metadata and e.rollout.turn(0).logprobs == [-0.5] * len(call)
     # a turn cut without the stop token: length; tokens after the stop token are dropped
-    e = T.run_episode(t, lambda ids: call[:-1], tok)
+    e = E.run_episode(t, lambda ids: call[:-1], tok)
     assert e.finish_reason == "length" and not e.success
-    e = T.run_episode(t, lambda ids: call + [tok.pad_token_id] * 3, tok, max_turns=1)
+    e = E.run_episode(t, lambda ids: call + [tok.pad_token_id] * 3, tok, max_turns=1)
     assert e.rollout.token_ids[-1] == tok.eos_token_id
 
 
@@ -354,7 +355,7 @@ def test_hf_sampler_left_padding_and_episodes(quick_build):
     for i, (ids, _) in enumerate(batched):  # greedy: old format without hint, new with it
         assert ("<parameter=lines>" in tk.decode(ids)) == bool(i % 2)
     # sampled episodes are valid token-exact rollouts carrying the engine-convention log-probs
-    eps = T.run_episodes(tasks, BE.hf_generate_batch(model, tk, generator_seed=0), tk, hint=T.HINT)
+    eps = E.run_episodes(tasks, BE.hf_generate_batch(model, tk, generator_seed=0), tk, hint=T.HINT)
     for e in eps:
         e.rollout.validate(vocab_size=len(tk))
         assert all(lp <= 0 for s in e.rollout.assistant_turns() for lp in s.logprobs)
