@@ -155,7 +155,7 @@ def main() -> None:
 
     from megatron_tg.chat import get_tiny_tokenizer
     from megatron_tg.chat.builder import simulate_rollout
-    from megatron_tg.chat.framing import feedback_message_ids
+    from megatron_tg.chat.feedback import feedback_message_ids
     from megatron_tg.testing.distributed import run_distributed
     from megatron_tg.sampling.train_sample import TrainSample
     from tests.chat.convos import SEARCH_TOOL

@@ -35,6 +35,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,11 +51,16 @@ RUNNER = Path(__file__).with_name("grading_runner.py")
 # The runner's files as the sandbox sees them (its directory, read-only): the entry point is
 # run.py, the modules it loads from beside itself keep their names.
 RUNNER_FILES = {"run.py": RUNNER, **{name: RUNNER.with_name(name) for name in (
-    "grading_equality.py", "grading_namespaces.py", "grading_sources.py")}}
+    "grading_asserts.py", "grading_attribution.py", "grading_equality.py", "grading_hook.py", "grading_items.py",
+    "grading_namespaces.py", "grading_sources.py")}}
 EVIDENCE_REPLACED = 3  # the runner's exit status when the evidence pipe was not the one it was given
 GRADER_INI = "[pytest]\naddopts =\n"
 MAX_EVIDENCE_BYTES = 16 << 20
 MAX_FILES = 200_000
+PREPARE_S = 60.0
+"""Longest the workspace may take to read (the walk and the reads of the change); the test run
+has its own wall-clock limit (``Limits.wall_s``). A normal grade reads its workspace in well
+under a second."""
 OUTPUT_CHARS = 2000
 TEST_DIR_NAMES = frozenset({"tests", "test", "testing"})
 STARTUP_NAMES = frozenset({"conftest.py", "sitecustomize.py", "usercustomize.py"})
@@ -184,7 +190,8 @@ class Grader:
         for d in (orig, grader):
             d.mkdir()
         materialize(task, orig)
-        changes = extract(workspace, orig, max_bytes=self.limits.disk_mb << 20, max_files=MAX_FILES)
+        changes = extract(workspace, orig, max_bytes=self.limits.disk_mb << 20, max_files=MAX_FILES,
+                          deadline=time.monotonic() + PREPARE_S)
         files = grading_files(task)
         keep = frozenset(files)
         shutil.copytree(orig, ev, symlinks=True)

@@ -7,19 +7,14 @@ once and flags an operand whose ``__eq__`` the policy (or pytest: ``approx`` han
 result) wrote claiming an equality with a builtin value that the builtin's own operator does
 not grant, that answers otherwise when asked again, or that claims to equal a fresh object.
 
-The comparison is not looked up by name where it matters: each module-level test function
-(and method) with an assert gets a keyword-only parameter, ``CMP_ARG``, whose default is the
-comparison, bound when the function is defined, and its asserts (and those of the functions
-nested in it, through the closure) call that local; the runner checks every such default
-by identity once the tests are collected. Only asserts outside functions (module or class
-bodies) look up the builtin ``@tg_cmp``.
+How the asserts come to call it (a bound default, not a name looked up) is
+:mod:`grading_asserts`'s part.
 
 Everything here is reachable from the tested code, so all it depends on is bound as default
 arguments (reading or rewriting a runner function's ``__defaults__`` is an audited, flagged
 event).
 """
 
-import ast
 import builtins
 import collections
 import collections.abc
@@ -31,6 +26,7 @@ BUILTIN_VALUES = frozenset({int, float, complex, str, bytes, bytearray, bool, ty
                             set, frozenset, range})
 CMP_NAME = "@tg_cmp"  # the builtin: not an identifier, so no source can spell it
 CMP_ARG = "tg_cmp_"  # the parameter: an identifier (pytest reads test signatures)
+DEF_NAME = "@tg_def"  # the builtin each test file's top-level statements report their bindings to
 
 
 class _Probe:
@@ -70,12 +66,13 @@ def near_miss(b, probe):
         return None
 
 
-def install(classify, protected, disguised, realpath, rewrite, run_by_policy, referents) -> object:
-    """Put the check in place (the builtin, pytest's assert rewriting of the protected files)
-    and return it. ``classify(filename)`` says whose code a file is; ``disguised(code,
+def install(classify, protected, disguised, run_by_policy, referents, define) -> object:
+    """Put the check in place (the builtins the rewritten test files call: see
+    :mod:`grading_asserts`) and return it. ``classify(filename)`` says whose code a file is; ``disguised(code,
     globals)`` whether a function claiming a library file runs in another namespace;
     ``run_by_policy()`` where the policy's code called the test whose assert is running;
-    ``referents(x)`` what ``x`` holds (``gc.get_referents``, read as the runner's own)."""
+    ``referents(x)`` what ``x`` holds (``gc.get_referents``, read as the runner's own).
+    ``define(path, name, value)`` is the builtin ``DEF_NAME`` (``grading_asserts.record_definitions``)."""
     # A metaclass can define ``__dict__`` and ``__mro__`` as properties that hide an __eq__
     # from whoever asks the class; CPython's own operator lookup uses the real ones.
     _real_dict = type.__dict__["__dict__"].__get__
@@ -189,6 +186,34 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
                 return f"{t.__qualname__}.{name}"
         return None
 
+    def holds_foreign(x, depth, budget, _referents=referents, _comparer=comparer, _classify=classify,
+                      _values=BUILTIN_VALUES):
+        """The class of the first object that ``x`` holds (its slots, its ``__dict__``'s values,
+        inside builtin containers, ``depth`` levels down) whose comparison the policy wrote, or
+        None. A library's comparison on a library's class answers with its instance's state:
+        ``Fraction.__eq__`` compares ``_numerator``, which the policy can set to an object of
+        its own. Read with ``gc.get_referents`` (no attribute lookup on the object)."""
+        try:
+            held = _referents(x)
+        except Exception:
+            return None
+        for r in held:
+            budget[0] -= 1
+            if budget[0] < 0:
+                return None
+            t = type(r)
+            if issubclass(t, type):
+                continue  # the instance's class
+            if t not in _values:
+                who = _comparer(t, "__eq__")
+                if who is not None and (_classify(who[0]) == "solution" if who[0] is not None else who[1]):
+                    return t
+            if depth > 0:
+                inner = holds_foreign(r, depth - 1, budget)
+                if inner is not None:
+                    return inner
+        return None
+
     _nothing = object()
 
     def wrapped(x, t, _cdict=_real_dict, _mro=_real_mro, _wrappers=DATA_WRAPPERS, _referents=referents,
@@ -212,7 +237,7 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
 
     def disagrees(x, b, op, budget, again=False, _classify=classify, _values=BUILTIN_VALUES, _protected=protected,
                   _claims=claims, _Probe=_Probe, _comparer=comparer, _forwarders=OPAQUE_FORWARDERS,
-                  _wrapped=wrapped, _nothing=_nothing, _near=near_miss):
+                  _wrapped=wrapped, _nothing=_nothing, _near=near_miss, _holds=holds_foreign):
         """Where ``x`` is compared with the builtin value ``b``: the first part of ``x`` (itself,
         or an item at the same place in a builtin container) whose comparison the policy (or
         pytest: ``approx`` handed back as a result) wrote and which claims equality that
@@ -263,6 +288,13 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
                 ours = k == "solution" or (k == "trusted" and filename not in _protected)
             else:
                 ours = heap_c
+        held = None
+        if not ours:
+            # a library's comparison deciding by state the policy put in (a Fraction whose
+            # numerator is the policy's object) is the policy's: its claim must be granted by
+            # the builtin's own operator (which grants no Fraction equal to an int)
+            held = _holds(x, 2, [200])
+            ours = held is not None
         if not ours:
             # library code: ready-made always-equal objects exist there (unittest.mock.ANY,
             # test.support.ALWAYS_EQ); an honest library __eq__ (Fraction, Decimal) does not
@@ -286,7 +318,7 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
             return None
         if own is True:
             return None
-        return f"{t.__qualname__}.{name}"
+        return f"{t.__qualname__}.{name}" + (f" (holding the solution's {_qualname(held)!s:.80})" if held else "")
 
     def checked(op, left, right, made_l=False, made_r=False, _foreign=foreign_eq, _values=BUILTIN_VALUES,
                 _audit=sys.audit, _disagrees=disagrees, _bool=bool, _by_policy=run_by_policy):
@@ -300,11 +332,14 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
             truth = _bool(left in right)
         else:
             truth = _bool(left not in right)
-        if not truth:
-            return False
+        # Who ran the test is asked whatever the answer: a failing assert teaches an oracle
+        # as much (its rewritten message names the expected value; a probe's __eq__ is
+        # handed it) as a passing one.
         where = _by_policy()
         if where:
             _audit("tg.flag", f"a test's assert run by the solution's code ({where})")
+        if not truth:
+            return False
         for a, b, made in ((left, right, made_l), (right, left, made_r)):
             if type(b) in _values and not made:
                 bad = None
@@ -328,61 +363,8 @@ def install(classify, protected, disguised, realpath, rewrite, run_by_policy, re
         return True
 
     builtins.__dict__[CMP_NAME] = checked
-    ops = {ast.Eq: "==", ast.NotEq: "!=", ast.In: "in", ast.NotIn: "not in"}
-
-    class CompareGuard(ast.NodeTransformer):
-        def __init__(self, name: str):
-            self.name = name
-
-        def visit_Compare(self, node):
-            self.generic_visit(node)
-            if len(node.ops) != 1 or type(node.ops[0]) not in ops:
-                return node
-            # An operand the test builds itself in the assert (``pytest.approx(...)``) is the
-            # test's own: exempt from the check above.
-            made = [isinstance(e, ast.Call) and isinstance(e.func, (ast.Name, ast.Attribute)) and
-                    (e.func.id if isinstance(e.func, ast.Name) else e.func.attr) == "approx"
-                    for e in (node.left, node.comparators[0])]
-            call = ast.Call(ast.Name(self.name, ast.Load()),
-                            [ast.Constant(ops[type(node.ops[0])]), node.left, node.comparators[0],
-                             ast.Constant(made[0]), ast.Constant(made[1])], [])
-            return ast.fix_missing_locations(ast.copy_location(call, node))
-
-    class Guard(ast.NodeTransformer):
-        """Asserts inside functions call the function's own ``CMP_ARG`` (a parameter of the
-        outermost function, a closure cell in those nested in it); elsewhere the builtin."""
-        depth = 0
-
-        def visit_FunctionDef(self, node):
-            self.depth += 1
-            self.generic_visit(node)
-            self.depth -= 1
-            if self.depth == 0 and any(isinstance(n, ast.Assert) for n in ast.walk(node)):
-                node.args.kwonlyargs.append(ast.copy_location(ast.arg(CMP_ARG), node))
-                node.args.kw_defaults.append(ast.copy_location(ast.Name(CMP_NAME, ast.Load()), node))
-                ast.fix_missing_locations(node)
-            return node
-
-        visit_AsyncFunctionDef = visit_FunctionDef
-
-        def visit_Lambda(self, node):
-            self.depth += 1
-            self.generic_visit(node)
-            self.depth -= 1
-            return node
-
-        def visit_Assert(self, node):
-            node.test = CompareGuard(CMP_ARG if self.depth else CMP_NAME).visit(node.test)
-            return node
-
-    def rewrite_asserts(mod, source, module_path=None, config=None, _orig=rewrite.rewrite_asserts,
-                        _protected=protected, _guard=Guard, _real=realpath):
-        if module_path is not None and _real(str(module_path)) in _protected:
-            _guard().visit(mod)
-        return _orig(mod, source, module_path, config)
-
-    rewrite.rewrite_asserts = rewrite_asserts
+    builtins.__dict__[DEF_NAME] = define
     return checked
 
 
-__all__ = ["BUILTIN_VALUES", "CMP_ARG", "CMP_NAME", "install", "near_miss"]
+__all__ = ["BUILTIN_VALUES", "CMP_ARG", "CMP_NAME", "DEF_NAME", "install", "near_miss"]

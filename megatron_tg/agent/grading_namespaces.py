@@ -1,14 +1,10 @@
-"""The grading runner's namespace and item checks (part of the runner: bound read-only into
-the grading sandbox beside it, loaded by it from there; standard library only).
-
-1. the namespaces (module and class dicts) of builtins, pytest, ``_pytest``, pluggy and a few
-   stdlib modules the runner relies on, snapshotted before any workspace code runs and
-   compared as each test phase is reported (:func:`build`'s ``compare``);
-2. pytest's collected items: what each item is when collection finishes (its class, its
-   test function's code, its module, its file, its marks, no ``runtest`` of its own), the
-   test modules' globals and the comparison bound into each test function (see
-   :mod:`grading_equality`), checked before each call pytest is about to make
-   (``item_problems``), so that an item edited, added or swapped after collection is a flag.
+"""The grading runner's namespace checks (part of the runner: bound read-only into the grading
+sandbox beside it, loaded by it from there; standard library only): the namespaces (module and
+class dicts) of builtins, pytest, ``_pytest``, pluggy, a few stdlib modules the runner relies
+on and the runner's own, snapshotted before any workspace code runs and compared as each test
+phase is reported (:func:`build`'s ``compare``), with the pytest hooks the policy wrote, the
+runner's comparison shadowed in a test module's globals and a trace or profile function set.
+pytest's items are checked by :mod:`grading_items`.
 
 Everything here is reachable from the tested code, so its state is bound as default
 arguments (reading or rewriting a runner function's ``__defaults__`` is an audited, flagged
@@ -16,7 +12,6 @@ event) and kept in tuples.
 """
 
 import builtins
-import functools
 import itertools
 import operator
 import sys
@@ -25,19 +20,23 @@ import types
 ROOT_NAMES = ("pytest", "_pytest", "pluggy")
 RUNNER_PREFIX = "tg_runner_"  # the runner's sibling modules, as run.py registers them
 WATCHED_STDLIB = frozenset({"os", "posixpath", "json", "json.encoder", "ast", "threading", "subprocess",
-                            "_posixsubprocess", "_signal", "signal", "_imp"})
+                            "_posixsubprocess", "_signal", "signal", "_imp", "warnings", "linecache"})
 # Rebound by pytest itself during a run (its state, not code).
 VOLATILE = {"_pytest.assertion.util": ("_reprcompare", "_assertion_pass", "_config"), "builtins": ("_",),
             "threading": ("excepthook",), "_pytest.config.Config": ("_getini_unknown_type",),
             "_pytest.debugging.pytestPDB": ("_config", "_pluginmanager", "_saved", "_recursive_debug",
-                                            "_wrapped_pdb_cls")}
-VOLATILE_ANYWHERE = frozenset({"_pytest_diamond_inheritance_warning_shown"})
+                                            "_wrapped_pdb_cls"),
+            # warnings.catch_warnings (pytest's, around each test) rebinds these and puts back
+            # the originals when it leaves
+            "warnings": ("filters", "showwarning", "_showwarnmsg_impl")}
+# A warning issued from a module creates that module's registry of warnings already shown
+# (pytest's PytestReturnNotNoneWarning creates _pytest.python's): state, not a patch.
+VOLATILE_ANYWHERE = frozenset({"_pytest_diamond_inheritance_warning_shown", "__warningregistry__"})
 
 
-def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, cmp_arg):
+def build(classify, protected, ws, cmp_name):
     """The checks, bound to the runner's view of the run: ``classify(filename)`` says whose
-    code a file is; ``code_of(fn)`` reads a function's code without the audit hook judging
-    the read; ``checked`` is the comparison every test function must have bound."""
+    code a file is; ``cmp_name`` is the builtin the rewritten asserts outside functions call."""
     # ---- the namespaces the policy must not patch: (name, module, dict, keys, values, class),
     # immutable, so the per-test check reachable through pytest cannot be fed a new baseline.
     # The values themselves are kept (alive), and compared by identity (``operator.is_``, at
@@ -119,12 +118,18 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
 
     def compare(before, where, config=None, _audit=sys.audit, _volatile=VOLATILE, _modules=sys.modules,
                 _hooks=foreign_hooks, _protected=protected, _ws=ws, _changes=changes, _state=state_of,
-                _same=same_state, _last=[None], _cmp=cmp_name):
+                _same=same_state, _last=[None], _cmp=cmp_name, _gettrace=sys.gettrace, _getprofile=sys.getprofile):
         """Flag what changed since ``before``. Most of it (the namespaces pytest does not rebind
         itself) is compared as one flat state, at C speed, with the last state found clean:
         only where that differs is each namespace looked at in detail (an import adds names,
         which are no patch; the detail is always against ``before``, so a state found clean is
-        clean whatever it was compared with). The names pytest rebinds are always detailed."""
+        clean whatever it was compared with). The names pytest rebinds are always detailed.
+        A trace or profile function set on this thread (pytest sets none) sees every frame of
+        the tests and can rewrite their locals (3.11 writes a tracer's ``f_locals`` back):
+        flagged whoever installed it, which may have been done with no frame of the policy's
+        on the stack (a C callable run by pytest's collection)."""
+        if _gettrace() is not None or _getprofile() is not None:
+            _audit("tg.flag", f"a trace or profile function is set ({where})")
         for m in list(_modules.values()):
             f = getattr(m, "__file__", None)
             if type(f) is str and f in _protected:
@@ -146,155 +151,7 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_name, 
         if not _changes(steady, where) and now is not None:
             _last[0] = (before, now)
 
-    def item_problem(item, _module=types.ModuleType, _code_file=code_file, _norm=norm, _protected=protected,
-                     _code_of=code_of):
-        """Why the function pytest is about to call is not the test its file defines, or None:
-        the module's class swapped (it hands pytest whatever it likes), or the function's code
-        (through bound methods and ``functools.wraps``) not from the item's own test file or
-        another test file, or another test's code put under this test's name."""
-        mod = getattr(item, "module", None) if hasattr(item, "originalname") else None
-        if mod is None:
-            return None  # not a python test function (a doctest, a plugin's own item)
-        if type(mod) is not _module:
-            return f"{item.nodeid}: its test module is a {type(mod).__name__!s:.60}, not a module"
-        fn, own, innermost = item.obj, _norm(str(item.path)), None
-        for _ in range(16):
-            name = _code_file(fn)
-            if name is not None:
-                innermost = (_norm(name), fn)
-            nxt = getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
-            if nxt is None or nxt is fn:
-                break
-            fn = nxt
-        if innermost is None or not (innermost[0] == own or innermost[0] in _protected):
-            return f"{item.nodeid}: runs code from {innermost[0] if innermost else 'no file'}, not its test file"
-        cname = getattr(_code_of(innermost[1]), "co_name", "")
-        if cname != item.originalname and str(cname).startswith("test"):
-            return f"{item.nodeid}: runs the code of {cname!s:.80}"
-        return None
-
-
-    def test_modules(_modules=sys.modules, _protected=protected):
-        """The loaded modules of the task's test files (hidden tests, conftest, test helpers)."""
-        out = []
-        for m in list(_modules.values()):
-            f = getattr(m, "__file__", None)
-            if type(f) is str and f in _protected and type(getattr(m, "__dict__", None)) is dict:
-                out.append(m)
-        return out
-
-    def functions_of(d, _fn=types.FunctionType):
-        """The plain functions in a namespace and in the classes defined there (methods,
-        static and class methods), as (qualified name, function)."""
-        for k, v in list(d.items()):
-            if type(v) is _fn:
-                yield k, v
-            elif isinstance(v, type):
-                for n, w in list(type.__dict__["__dict__"].__get__(v).items()):
-                    w = getattr(w, "__func__", w) if isinstance(w, (staticmethod, classmethod)) else w
-                    if type(w) is _fn:
-                        yield f"{k}.{n}", w
-
-    def unbound_fn(fn, _code_of=code_of, _checked=checked, _arg=cmp_arg) -> bool:
-        """Whether test function ``fn``'s asserts would not call the runner's comparison: the
-        default bound when it was defined is another object (a solution that replaced the
-        builtin while the test module was being imported, or rewrote the default since)."""
-        code = _code_of(fn)
-        if code is None:
-            return False
-        if _arg not in code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]:
-            return False
-        d = fn.__kwdefaults__
-        return type(d) is not dict or d.get(_arg) is not _checked
-
-    def unbound_comparison(m, _unbound=unbound_fn):
-        """The test functions (and methods) of module ``m`` not bound to the comparison."""
-        return [name for name, fn in functions_of(m.__dict__) if _unbound(fn)]
-
-    def written_by_policy(v, _classify=classify, _fn=types.FunctionType, _m=types.MethodType,
-                          _partial=functools.partial, _modules=sys.modules, _code_of=code_of):
-        """Whether ``v`` (a value put into a test module's globals) is code the policy wrote:
-        a function (bound or in a partial) from its files, or a class whose module is one of
-        them. Other objects are data (a test may rebind a global to a mock)."""
-        for _ in range(8):
-            if type(v) is _m:
-                v = v.__func__
-            elif type(v) is _partial:
-                v = v.func
-            else:
-                break
-        if type(v) is _fn:
-            return _classify(_code_of(v).co_filename) == "solution"
-        if isinstance(v, type):
-            m = _modules.get(str(type.__dict__["__dict__"].__get__(v).get("__module__", "")))
-            f = getattr(m, "__file__", None)
-            return type(f) is not str or _classify(f) == "solution"
-        return False
-
-    def item_state(item, _code_of=code_of):
-        """What an item is: its class, its test function's innermost code, its module, its
-        path, its marks, and whether it carries a ``runtest`` (or ``obj``) of its own.
-        Compared by identity (code objects compare equal by content)."""
-        fn = getattr(item, "obj", None)
-        for _ in range(16):
-            nxt = getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None)
-            if nxt is None or nxt is fn:
-                break
-            fn = nxt
-        own = getattr(item, "__dict__", {})
-        return (type(item), _code_of(fn), getattr(item, "module", None), str(getattr(item, "path", "")),
-                tuple(getattr(item, "own_markers", ())), "runtest" in own)
-
-    def collected(session, _state=item_state, _modules=test_modules, _unbound=unbound_comparison, _ws=ws):
-        """At the end of collection: each item's state by node id, the items list itself,
-        each test module's globals, and (flags) test functions not bound to the comparison."""
-        items = session.items
-        states = {}
-        for it in list(items):
-            states[it.nodeid] = (it, _state(it))
-        mods = tuple((m, dict(m.__dict__)) for m in _modules())
-        unbound = [f"{m.__file__[len(_ws):]}: {n}" for m, _ in mods for n in _unbound(m)]
-        return (items, tuple(items), states, mods), unbound
-
-    def item_problems(item, session, seen, _state=item_state, _same=operator.is_, _policy=written_by_policy,
-                      _ws=ws, _unbound_fn=unbound_fn):
-        """Why the item pytest is about to call is not the one collected: the items list
-        replaced or changed, the item not collected, its state changed since (function,
-        module, marks, a runtest of its own), or a test module's global rebound to code the
-        policy wrote."""
-        out = []
-        if seen is None:
-            return out
-        items, as_collected, states, mods = seen
-        now = session.items
-        if now is not items or type(now) is not list:
-            out.append(f"pytest's collected items were replaced (by a {type(now).__name__!s:.40})")
-        elif len(now) != len(as_collected) or not all(map(_same, now, as_collected)):
-            out.append("pytest's collected items were changed after collection")
-        fn = getattr(item, "obj", None)
-        fn = getattr(fn, "__func__", fn)
-        if type(fn) is types.FunctionType and _unbound_fn(fn):  # its bound comparison rewritten in place
-            out.append(f"{item.nodeid!s:.200}: the runner's comparison not bound in its test function")
-        rec = states.get(item.nodeid)
-        if rec is None or rec[0] is not item:
-            out.append(f"{item.nodeid!s:.200}: an item pytest did not collect")
-        else:
-            was, cur = rec[1], _state(item)
-            names = ("class", "test function", "module", "path", "marks", "own runtest")
-            changed = [n for n, a, b in zip(names, was, cur)
-                       if not (a is b or (type(a) in (str, bool) and a == b)
-                               or (type(a) is tuple and len(a) == len(b) and all(map(_same, a, b))))]
-            if changed:
-                out.append(f"{item.nodeid!s:.200}: its {', '.join(changed)} changed after collection")
-        for m, before in mods:
-            d = m.__dict__
-            for k, v in list(d.items()):
-                if (k not in before or before[k] is not v) and _policy(v):
-                    out.append(f"{m.__file__[len(_ws):]}: {k!s:.60} rebound to the solution's code")
-        return out
-
-    return types.SimpleNamespace(snapshot=snapshot, compare=compare, item_problem=item_problem,
-                                 collected=collected, item_problems=item_problems)
+    return types.SimpleNamespace(snapshot=snapshot, compare=compare)
 
 
 __all__ = ["ROOT_NAMES", "RUNNER_PREFIX", "VOLATILE", "VOLATILE_ANYWHERE", "WATCHED_STDLIB", "build"]

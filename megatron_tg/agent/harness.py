@@ -28,7 +28,8 @@ from megatron_tg.agent.sandbox import Sandbox
 from megatron_tg.agent.tasks import Task
 from megatron_tg.agent.tools import tool_specs
 from megatron_tg.chat.builder import RolloutBuilder
-from megatron_tg.chat.framing import ToolCall, continuation_ids, stop_token_id
+from megatron_tg.chat.parsing import ToolCall
+from megatron_tg.chat.template import continuation_ids, stop_token_id
 from megatron_tg.config.rollout import RolloutConfig
 from megatron_tg.rollout.types import Rollout
 

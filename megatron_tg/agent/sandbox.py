@@ -258,7 +258,11 @@ class Sandbox:
                 args += ["--size", str(1 << 20), "--tmpfs", h]
             elif os.path.exists(h):
                 args += ["--ro-bind", "/dev/null", h]
-        args += ["--dev", "/dev", "--proc", "/proc", "--chdir", wd]
+        # The grader's run (a read-only checkout) gets no /proc: the tested code shares the
+        # runner's process, whose memory (/proc/self/mem: the nonce, the records' writer) and
+        # descriptors are there for any route that opens them, a callback of C callables
+        # included, which no audit attribution sees.
+        args += ["--dev", "/dev"] + ([] if readonly_workdir else ["--proc", "/proc"]) + ["--chdir", wd]
         for k, v in self._env(wd).items():
             args += ["--setenv", k, v]
         args.append("--")

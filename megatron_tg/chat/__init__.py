@@ -2,26 +2,29 @@
 feedback insertion (expert sequences) and turn-by-turn rollout building."""
 
 from megatron_tg.chat.builder import RolloutBuilder, fake_logprobs, simulate_rollout
-from megatron_tg.chat.framing import (
+from megatron_tg.chat.feedback import (
     EXPERT_MODES,
     FRAMINGS,
     ExpertSequence,
-    FramingError,
+    build_expert_sequences,
+    feedback_message_ids,
+    insert_feedback,
+)
+from megatron_tg.chat.parsing import (
     ParsedTurn,
     ToolCall,
     ToolCallError,
-    assistant_generation_text,
     assistant_token_spans,
-    build_expert_sequences,
+    parse_assistant,
+)
+from megatron_tg.chat.template import (
+    assistant_generation_text,
     continuation_ids,
     encode,
-    feedback_message_ids,
     fold_reasoning,
     generation_prompt_ids,
-    insert_feedback,
     message_ids,
     normalize_messages,
-    parse_assistant,
     prompt_ids,
     render,
     stop_token_id,
@@ -32,6 +35,7 @@ from megatron_tg.chat.tokenizer import (
     default_corpus,
     get_tiny_tokenizer,
 )
+from megatron_tg.rollout.types import FramingError
 
 __all__ = [
     "CHAT_TEMPLATE", "EXPERT_MODES", "FRAMINGS", "ExpertSequence", "FramingError", "ParsedTurn",

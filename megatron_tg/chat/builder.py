@@ -19,19 +19,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from megatron_tg.chat.framing import (
-    FramingError,
-    ParsedTurn,
+from megatron_tg.chat.parsing import ParsedTurn, assistant_token_spans, parse_assistant
+from megatron_tg.chat.template import (
     assistant_generation_text,
-    assistant_token_spans,
     continuation_ids,
     encode,
     normalize_messages,
-    parse_assistant,
     prompt_ids,
     stop_token_id,
 )
-from megatron_tg.rollout.types import Rollout, Segment
+from megatron_tg.rollout.types import FramingError, Rollout, Segment
 
 
 class RolloutBuilder:

@@ -2,7 +2,7 @@
 
 The deployment parser is SGLang's ``qwen3_coder`` detector
 (``sglang.srt.function_call.qwen3_coder_detector.Qwen3CoderDetector``). It is lenient where
-this package's parser (:func:`megatron_tg.chat.framing.parse_assistant`) is strict, and the
+this package's parser (:func:`megatron_tg.chat.parsing.parse_assistant`) is strict, and the
 two disagree on three kinds of input (measured against sglang 0.5.23 by
 ``tests/sglang/test_tool_call_reading.py``):
 

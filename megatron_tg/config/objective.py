@@ -105,6 +105,13 @@ class ObjectiveConfig:
     the plan alone moves the actions (issue 38's H3). False with no thinking distilled
     leaves no KL row: refused (use mode="grpo")."""
 
+    kl_action_weight: float = 1.0
+    """Weight of a gated row outside thinking spans (tool calls, answers) relative to a gated
+    thinking row, within each rollout, with the rollout's total KL weight kept: 4 makes each
+    action row count four times a thinking row, and the thinking rows give up the difference.
+    1 (default): every gated row alike. The ablation for issue 38's H2 (the call's closing
+    token is one row among many thinking rows)."""
+
     kl_token_normalization: str = "rollout_gated"
     """Denominator of a rollout's KL average: "rollout_gated" = that rollout's gated tokens
     (default: the mean KL over its failing turns' tokens, so a long failing turn cannot
@@ -274,6 +281,8 @@ class ObjectiveConfig:
             raise ConfigError("objective.distill_actions=false with no thinking distilled "
                               f"(distill_thinking={self.distill_thinking}, mode={self.mode!r}) "
                               "leaves the KL no token: use objective.mode=grpo")
+        if not self.kl_action_weight > 0:
+            raise ConfigError(f"objective.kl_action_weight must be > 0, got {self.kl_action_weight}")
         if self.kl_coef < 0:
             raise ConfigError(f"objective.kl_coef must be >= 0, got {self.kl_coef}")
         if not 0.0 <= self.jsd_beta <= 1.0:

@@ -14,6 +14,7 @@ STALE_POLICIES = ("drop", "regenerate")
 PAUSE_MODES = ("in_place", "retract", "abort")
 SYNC_BACKENDS = ("auto", "nccl", "gloo")
 SERVICE_MODES = ("in_process", "local", "remote")  # megatron_tg/sampling/service (docs/rollout-service.md)
+PLACEMENTS = ("disaggregated", "colocated")  # docs/colocated.md
 
 
 @dataclass
@@ -23,6 +24,16 @@ class RolloutConfig:
     engine: str = "embedded"
     """"embedded" = generate with the trainer's own model in-process (CPU tests, tiny models);
     "sglang" = separate SGLang servers that receive weights after every step (GPU clusters)."""
+
+    placement: str = "disaggregated"
+    """Where the engines run relative to the trainer: "disaggregated" = on GPUs of their own,
+    generating while the trainer trains; "colocated" = on the trainer's GPUs, taking turns
+    (docs/colocated.md): each step the engines release their memory (all tags), the trainer
+    loads its state back, trains, puts its state aside, the engines resume their weights and
+    receive the new ones through ``/update_weights_from_tensor`` (bucketed, SGLang's
+    ``flattened_bucket`` format), then resume their KV cache and generate. Needs
+    ``max_staleness=0``, ``service="in_process"``, ``engine_tp=1``, and engines started with
+    ``--enable-memory-saver`` (the embedded engines this process starts get it)."""
 
     server_urls: List[str] = field(default_factory=list)
     """Base URLs of already running SGLang servers. Empty = start ``num_engines`` of them."""
@@ -205,7 +216,9 @@ class RolloutConfig:
     has a GPU and the engines are SGLang servers, else gloo."""
 
     sync_bucket_mb: int = 512
-    """Weight sync bucket size in MiB (one broadcast per bucket; rank 0 holds one bucket)."""
+    """Weight sync bucket size in MiB (one broadcast per bucket, or with
+    ``placement="colocated"`` one ``/update_weights_from_tensor`` request per bucket; rank 0
+    holds one bucket)."""
 
     sync_verify_coverage: bool = True
     """At the first sync, prove every engine weight is written by a sync: SGLang's weight
@@ -265,6 +278,7 @@ class RolloutConfig:
         check_range("rollout.sync_probe_interval", self.sync_probe_interval, ge=0)
         check_range("rollout.sync_probe_tol", self.sync_probe_tol, gt=0)
         check_range("rollout.sync_probe_tokens", self.sync_probe_tokens, ge=2)
+        self._validate_placement()
         if self.buffer_size < self.prompts_per_step:
             raise ConfigError(f"rollout.buffer_size: must hold one step's groups "
                               f"(rollout.prompts_per_step={self.prompts_per_step}); got {self.buffer_size}")
@@ -275,10 +289,29 @@ class RolloutConfig:
             raise ConfigError("rollout.sandbox: 'none' runs model-written code unconfined; "
                               "set rollout.allow_unsandboxed=true to accept that; got 'none'")
 
+    def _validate_placement(self) -> None:
+        """Colocated engines share the trainer's GPUs: what cannot work that way is refused
+        here, naming the field that has to change."""
+        check_choice("rollout.placement", self.placement, PLACEMENTS)
+        if self.placement != "colocated":
+            return
+        why = "rollout.placement='colocated'"
+        if self.max_staleness != 0:  # generation and training take turns on the same GPUs
+            raise ConfigError(f"rollout.max_staleness: must be 0 with {why} (the engines cannot "
+                              f"generate while the trainer trains on their GPUs); got {self.max_staleness}")
+        if self.service != "in_process":  # rank 0 itself releases, resumes and writes the engines
+            raise ConfigError(f"rollout.service: must be 'in_process' with {why} (trainer rank 0 "
+                              f"releases and resumes the engines and hands them its tensors); "
+                              f"got {self.service!r}")
+        if self.engine_tp != 1:  # which trainer rank sends which engine rank's payload: not built
+            raise ConfigError(f"rollout.engine_tp: must be 1 with {why} (the mapping of engine TP "
+                              f"ranks to the trainer ranks on their GPUs is not built; "
+                              f"docs/colocated.md); got {self.engine_tp}")
+
 
 FEEDBACK_PLACEHOLDER = "{feedback}"
 # Roles the chat template can give the inserted feedback message; the same tuple as
-# megatron_tg.chat.framing.FRAMINGS (kept apart so importing the config stays light; a test
+# megatron_tg.chat.feedback.FRAMINGS (kept apart so importing the config stays light; a test
 # checks they agree).
 FEEDBACK_ROLES = ("user", "system")
 

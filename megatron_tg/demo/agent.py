@@ -4,7 +4,7 @@ The RL runs generate with the project's real rollout path: the
 :class:`~megatron_tg.rollout.manager.RolloutManager` calls :class:`DemoAgent` once per rollout
 with a :class:`~megatron_tg.rollout.context.RolloutContext`, whose ``generate`` talks to the
 engines over SGLang's HTTP API (the embedded CPU engine here). The episode is the same as the
-lock-step driver :func:`megatron_tg.demo.task.run_episodes` that evaluates the base model —
+lock-step driver :func:`megatron_tg.demo.episodes.run_episodes` that evaluates the base model —
 same prompt, tool, stop rules and verdicts — but asynchronous and version-aware, so rollouts
 of different groups interleave on the engine while the trainer trains.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from megatron_tg.chat.builder import RolloutBuilder
-from megatron_tg.chat.framing import continuation_ids
+from megatron_tg.chat.template import continuation_ids
 from megatron_tg.demo import task as T
 from megatron_tg.rollout.types import Rollout
 

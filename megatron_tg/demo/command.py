@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from megatron_tg.demo import base_config as BC
 from megatron_tg.demo import base_model as B
 from megatron_tg.demo import report as R
 from megatron_tg.demo.runs import (DEFAULT, DIRECTIONS, EXPERTS, FULL, METHODS, QUICK, RECIPE, ROLLING, Plan,
@@ -179,7 +180,7 @@ def run(a: argparse.Namespace) -> int:
         if getattr(a, "suite", "main") == "phase":
             from megatron_tg.demo import phase
 
-            base = dict(B.QUICK) if a.phase_base == "quick" else {}
+            base = dict(BC.QUICK) if a.phase_base == "quick" else {}
             plan = Plan(**{**QUICK.__dict__, "heldout": 0, "base_overrides": base,
                            **({"steps": a.steps} if a.steps is not None else {})})
             return phase.run(a, plan, Path(a.recipe).resolve(), sys.executable, _log)

@@ -7,7 +7,7 @@ demonstrations where each style criterion's new behaviour appears only after its
 * each reference turn gets, with probability ``hint_fraction``, a hint naming a non-empty
   subset of the criteria that can fail there (:data:`.paper_env.TURN_CRITERIA`), framed and
   joined exactly as the trainer builds the expert's context (the sequence *is*
-  :func:`megatron_tg.chat.framing.insert_feedback` of the hint-less rollout, so the tokens
+  :func:`megatron_tg.chat.feedback.insert_feedback` of the hint-less rollout, so the tokens
   match the trainer's expert pass); the turn then shows each hinted criterion's new
   behaviour — thinking that announces it, and the action;
 * ``hint_old_fraction`` of the hinted criteria keep the old behaviour with the tokens where it
@@ -26,6 +26,7 @@ the student's usual (all-old) turn without hint (``p_decision_no_hint_*``).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import json
@@ -34,31 +35,36 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from megatron_tg.demo import base_config as BC
+from megatron_tg.demo import base_eval as BE
 from megatron_tg.demo import base_model as B
 from megatron_tg.demo import paper_env as P
+from megatron_tg.demo import sft_data as SD
+from megatron_tg.demo import episodes as E
 from megatron_tg.demo import task as T
 
 BUILD_FORMAT = 1
 DEFAULTS = dict(steps=500, eval_episodes=128, eval_max_new_tokens=64)
-"""The paper base's :class:`.base_model.BaseModelConfig` overrides (longer turns than the main
+"""The paper base's :class:`.base_config.BaseModelConfig` overrides (longer turns than the main
 demo's: thinking comes first)."""
 CRITERION_KEYS = {"search_lines": "new_format", "answer_style": "answer_style",
                   "brief_thinking": "brief_thinking"}
 """Criterion -> the :func:`.paper_env.episode_metrics` verdict that measures it."""
 
 
-def config(seed: int = 0, **overrides: Any) -> B.BaseModelConfig:
-    return B.BaseModelConfig(seed=seed, **{**DEFAULTS, **overrides})
+def config(seed: int = 0, **overrides: Any) -> BC.BaseModelConfig:
+    return BC.BaseModelConfig(seed=seed, **{**DEFAULTS, **overrides})
 
 
-def build_hash(cfg: B.BaseModelConfig) -> str:
+def build_hash(cfg: BC.BaseModelConfig) -> str:
     import torch
     import transformers
 
     here = Path(__file__).resolve().parent
     src = hashlib.sha256(b"".join((here / f).read_bytes() for f in
-                                  ("task.py", "base_model.py", "paper_env.py", "paper_base.py")))
-    blob = json.dumps({"format": BUILD_FORMAT, "config": B.dataclasses.asdict(cfg),
+                                  ("task.py", "episodes.py", "base_config.py", "sft_data.py",
+                                   "base_eval.py", "base_model.py", "paper_env.py", "paper_base.py")))
+    blob = json.dumps({"format": BUILD_FORMAT, "config": dataclasses.asdict(cfg),
                        "hints": P.all_fail_hints(), "source": src.hexdigest(),
                        "torch": torch.__version__, "transformers": transformers.__version__},
                       sort_keys=True)
@@ -70,7 +76,7 @@ def _subsets(crits: Sequence[str]) -> list[tuple[str, ...]]:
     return [c for r in range(1, len(crits) + 1) for c in combinations(crits, r)]
 
 
-def draw_example(rng: random.Random, task: T.FactTask, cfg: B.BaseModelConfig) -> dict[str, Any]:
+def draw_example(rng: random.Random, task: T.FactTask, cfg: BC.BaseModelConfig) -> dict[str, Any]:
     """One demonstration's choices: ``hints`` (turn -> criteria named), ``behaviour``
     ((turn, criterion) -> new?), ``masked`` ((turn, criterion) shown old under its hint, its
     departing tokens untrained), ``context`` (turn 0 untrained), ``lines``."""
@@ -100,7 +106,7 @@ def draw_example(rng: random.Random, task: T.FactTask, cfg: B.BaseModelConfig) -
 
 def _turn_ids(tok, task: T.FactTask, behaviour: Mapping[tuple[int, str], bool], turn: int, lines: int,
               answer_value: int | None = None) -> list[int]:
-    from megatron_tg.chat.framing import assistant_generation_text, encode
+    from megatron_tg.chat.template import assistant_generation_text, encode
 
     msgs = [m for m in P.reference_messages(task, behaviour, lines=lines, answer_value=answer_value)
             if m["role"] == "assistant"]
@@ -119,10 +125,10 @@ def departures(old: Sequence[int], new: Sequence[int]) -> list[int]:
     return sorted({pre + i1 for tag, i1, _, _, _ in ops if tag != "equal" and pre + i1 < len(old)})
 
 
-def sft_example(tok, task: T.FactTask, choice: Mapping[str, Any]) -> B.SFTExample:
+def sft_example(tok, task: T.FactTask, choice: Mapping[str, Any]) -> SD.SFTExample:
     """Token ids and loss weights of one drawn demonstration (see the module docstring)."""
     from megatron_tg.chat.builder import simulate_rollout
-    from megatron_tg.chat.framing import insert_feedback
+    from megatron_tg.chat.feedback import insert_feedback
 
     beh, lines = choice["behaviour"], choice["lines"]
     value = P.wrong_value(task) if choice.get("wrong") else None
@@ -147,16 +153,16 @@ def sft_example(tok, task: T.FactTask, choice: Mapping[str, Any]) -> B.SFTExampl
         new = _turn_ids(tok, task, {**beh, (k, c): True}, k, lines, value)
         for i in departures(old, new):
             mask[pmap[turns[k].start + i]] = 0.0
-    return B.SFTExample(ids, mask, "hint" if choice["hints"] else ("context" if choice["context"] else "plain"))
+    return SD.SFTExample(ids, mask, "hint" if choice["hints"] else ("context" if choice["context"] else "plain"))
 
 
-def sft_examples(tok, cfg: B.BaseModelConfig) -> list[B.SFTExample]:
+def sft_examples(tok, cfg: BC.BaseModelConfig) -> list[SD.SFTExample]:
     rng = random.Random(f"demo-paper-sft:{cfg.seed}")
     return [sft_example(tok, t, draw_example(rng, t, cfg))
             for t in (T.make_task(cfg.seed, i, "sft") for i in range(cfg.pool_size))]
 
 
-def tokenizer_corpus(cfg: B.BaseModelConfig) -> list[str]:
+def tokenizer_corpus(cfg: BC.BaseModelConfig) -> list[str]:
     from megatron_tg.chat.tokenizer import get_tiny_tokenizer
 
     render = get_tiny_tokenizer()
@@ -197,10 +203,10 @@ def decision_probabilities(model, tok, tasks: Sequence[T.FactTask]) -> dict[str,
     return out
 
 
-def evaluate(model, tok, cfg: B.BaseModelConfig) -> dict[str, Any]:
+def evaluate(model, tok, cfg: BC.BaseModelConfig) -> dict[str, Any]:
     """The rates of the module docstring (``eval`` split, temperature ``cfg.eval_temperature``)."""
     tasks = T.make_tasks(cfg.eval_episodes, seed=cfg.seed, split="eval")
-    gen = B.hf_generate_batch(model, tok, temperature=cfg.eval_temperature,
+    gen = BE.hf_generate_batch(model, tok, temperature=cfg.eval_temperature,
                               max_new_tokens=cfg.eval_max_new_tokens, batch_size=cfg.eval_batch_size,
                               generator_seed=cfg.seed + 17)
     kw = dict(max_turns=cfg.max_turns, metrics_fn=P.episode_metrics)
@@ -209,12 +215,12 @@ def evaluate(model, tok, cfg: B.BaseModelConfig) -> dict[str, Any]:
         conds[f"hint_{c}"] = {k: P.hint_for([c]) for k, cs in enumerate(P.TURN_CRITERIA) if c in cs}
     m: dict[str, Any] = {"eval_episodes": len(tasks)}
     for name, hints in conds.items():
-        eps = T.run_episodes(tasks, gen, tok, hint_by_turn=hints, **kw)
-        m[f"success_{name}"] = T.rate(eps, "success")
+        eps = E.run_episodes(tasks, gen, tok, hint_by_turn=hints, **kw)
+        m[f"success_{name}"] = E.rate(eps, "success")
         m[f"thinking_words_{name}"] = sum(e.metrics["thinking_words"] for e in eps) / len(eps)
         for c, key in CRITERION_KEYS.items():
-            m[f"{c}_{name}"] = T.rate(eps, key)
-        m[f"all_criteria_{name}"] = T.rate(eps, "all_criteria")
+            m[f"{c}_{name}"] = E.rate(eps, key)
+        m[f"all_criteria_{name}"] = E.rate(eps, "all_criteria")
     for c, ps in decision_probabilities(model, tok, tasks[:64]).items():
         m[f"p_decision_no_hint_{c}_mean"] = sum(ps) / len(ps)
         m[f"p_decision_no_hint_{c}_max"] = max(ps)

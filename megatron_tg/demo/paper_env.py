@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Sequence
 
-from megatron_tg.chat.framing import ParsedTurn
+from megatron_tg.chat.parsing import ParsedTurn
 from megatron_tg.demo import task as T
 
 STYLE_FEEDBACK = "Write the final answer as Answer: followed by the value."

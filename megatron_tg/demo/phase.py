@@ -3,9 +3,9 @@
     python -m megatron_tg.demo --suite phase --out runs/phase --jobs 1 [--phase-base quick]
 
 Three quick-size base models that differ only in how likely the new tool format is without
-the hint (the no-hint probability of its branch token, :func:`.base_model.branch_probabilities`,
+the hint (the no-hint probability of its branch token, :func:`.base_eval.branch_probabilities`,
 measured by each build's own evaluation: ``p_branch_no_hint_mean``): the paper's ~1e-6 and,
-with :attr:`.base_model.BaseModelConfig.new_no_hint_fraction` /
+with :attr:`.base_config.BaseModelConfig.new_no_hint_fraction` /
 ``new_no_hint_branch_weight``, ~1e-4 and ~1e-2. On each: GRPO alone, TG with reverse KL and
 TG with forward KL (both with the EMA expert), seed 0, seeded sampling, no staleness (the
 ``--quick`` plan's RL runs). The bases are the default (full-size, 400-step) build
@@ -35,7 +35,7 @@ LEVELS: dict[str, dict[str, float]] = {
     "1e-4": dict(new_no_hint_fraction=0.05, new_no_hint_branch_weight=0.003),
     "1e-2": dict(new_no_hint_fraction=0.05, new_no_hint_branch_weight=0.2),
 }
-"""Target no-hint probability -> base model overrides (on top of :data:`.base_model.QUICK`).
+"""Target no-hint probability -> base model overrides (on top of :data:`.base_config.QUICK`).
 The targets are names; the achieved probability is measured and printed."""
 
 RUNS = (("grpo", "grpo", None), ("reverse", "tg", "reverse"), ("forward", "tg", "forward"))

@@ -35,7 +35,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from megatron_tg.eval.heldout import wilson_interval
+from megatron_tg.judge.intervals import wilson_interval
 from megatron_tg.train.metrics import read_metrics
 
 CRITERION = "demo/new_format"

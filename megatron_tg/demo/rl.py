@@ -35,6 +35,7 @@ import asyncio
 import sys
 from typing import Sequence
 
+from megatron_tg.demo import episodes as E
 from megatron_tg.demo import task as T
 from megatron_tg.rollout.types import Rollout
 
@@ -103,9 +104,9 @@ class ExpertProbe:
                 return await asyncio.gather(*(one(x, i) for i, x in enumerate(inputs)))
             return self.side.call(all_())
 
-        eps = T.run_episodes(self.tasks, batch, self.tok, hint=self.hint, hint_role=self.role,
+        eps = E.run_episodes(self.tasks, batch, self.tok, hint=self.hint, hint_role=self.role,
                              max_turns=self.max_turns)
-        return {"probe/new_format": T.rate(eps, "new_format"), "probe/success": T.rate(eps, "success")}
+        return {"probe/new_format": E.rate(eps, "new_format"), "probe/success": E.rate(eps, "success")}
 
 
 ENVS = ("main", "paper")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_tg.demo import base_model as B
+from megatron_tg.demo import base_config as BC
 from megatron_tg.demo import report as R
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ DEFAULT = Plan(steps=30, seeds=(0,), last=10, variants=(("forward", "ema"), ("re
                probe_every=10, heldout=128)
 FULL = Plan(steps=30, seeds=(0, 1, 2), last=10, variants=GRID, probe_every=10, heldout=128)
 QUICK = Plan(steps=25, seeds=(0,), last=5, variants=(), probe_every=0, heldout=32,
-             base_overrides=dict(B.QUICK), seeded=True)
+             base_overrides=dict(BC.QUICK), seeded=True)
 
 
 @dataclass(frozen=True)

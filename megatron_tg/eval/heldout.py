@@ -30,7 +30,6 @@ import asyncio
 import logging
 import math
 import time
-from statistics import NormalDist
 from typing import Any, Callable, Mapping, Sequence
 
 from megatron_tg.rollout.context import RolloutContext, request_seed
@@ -41,20 +40,6 @@ log = logging.getLogger(__name__)
 EVAL_SEED = 7_340_033
 """Mixed into the request seeds of held-out rollouts (when ``rollout.sampling_seed`` is set),
 so they never reuse a training rollout's seed."""
-
-
-def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson score interval of a binomial rate; (0, 1) when there is no observation."""
-    if n <= 0:
-        return 0.0, 1.0
-    if not 0 <= successes <= n:
-        raise ValueError(f"successes must be in [0, n={n}], got {successes}")
-    z = NormalDist().inv_cdf(0.5 + confidence / 2)
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def rates(passed: Sequence[Mapping[str, bool]], criteria: Sequence[str], primary: Sequence[str],

@@ -25,8 +25,9 @@ sample-level Wilson interval on simulated tasks of spread difficulty.
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
 from typing import Mapping, Sequence
+
+from megatron_tg.judge.intervals import wilson_bounds
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -41,17 +42,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         prod *= 1.0 - k / i
     return 1.0 - prod
-
-
-def wilson(p: float, n: float, confidence: float) -> tuple[float, float]:
-    """Wilson score interval of a rate ``p`` observed on ``n`` (possibly effective) units."""
-    if n <= 0:
-        return 0.0, 1.0
-    z = NormalDist().inv_cdf(0.5 + confidence / 2)
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(max(p * (1 - p), 0.0) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def clustered_interval(values: Sequence[float], samples: Sequence[int],
@@ -70,7 +60,7 @@ def clustered_interval(values: Sequence[float], samples: Sequence[int],
         n_eff = min(max(p * (1 - p) / var, 1.0), total)
     else:  # no spread: all-pass/all-fail tasks are T units; equal rates, all the samples
         n_eff = t if p in (0.0, 1.0) else total
-    lo, hi = wilson(p, n_eff, confidence)
+    lo, hi = wilson_bounds(p, n_eff, confidence)
     return p, lo, hi
 
 

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from megatron_tg.chat.framing import ToolCall, ToolCallError
+from megatron_tg.chat.parsing import ToolCall, ToolCallError
 
 TEXT_SOURCES = ("content", "raw", "thinking", "transcript")
 

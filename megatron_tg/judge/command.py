@@ -1,5 +1,6 @@
 """``megatron-tg vet``: vet a rubric's feedback strings (paper §4) from the command line; the
-procedure, its statistics and the report are :mod:`megatron_tg.judge.vetting`."""
+procedure is :mod:`megatron_tg.judge.vetting`, its statistics and the report
+:mod:`megatron_tg.judge.vet_report`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 from typing import Any, Sequence
 
 from megatron_tg.judge.judge import Judge
-from megatron_tg.judge.vetting import FEEDBACK_CONTEXTS, VetConfig, format_report, vet_feedback
+from megatron_tg.judge.vet_report import format_report
+from megatron_tg.judge.vetting import FEEDBACK_CONTEXTS, VetConfig, vet_feedback
 
 DESCRIPTION = ("Vet a rubric's feedback strings (paper §4): does the model with the "
                "feedback beat the model without it?")

@@ -100,7 +100,7 @@ class JudgeResult:
 
     def feedback_by_turn(self, separator: str = "\n") -> dict[int, str]:
         """One feedback string per failing turn (criteria in rubric order), ready for
-        :func:`megatron_tg.chat.framing.insert_feedback`. Empty if not trainable."""
+        :func:`megatron_tg.chat.feedback.insert_feedback`. Empty if not trainable."""
         if not self.trainable:
             return {}
         return {t: separator.join(fb for _, fb in items) for t, items in self.failing_turns().items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from megatron_tg.chat.framing import ParsedTurn, ToolCall, ToolCallError, parse_assistant
+from megatron_tg.chat.parsing import ParsedTurn, ToolCall, ToolCallError, parse_assistant
 from megatron_tg.rollout.types import Rollout
 
 

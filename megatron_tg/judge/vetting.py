@@ -8,11 +8,12 @@ Vetting measures this by generation: for each criterion that has a feedback stri
 agent rollouts WITH the feedback inserted and WITHOUT it, judge both with the rubric, and
 compare.
 
-Where the feedback goes (the agent loop runs unchanged; :class:`FeedbackContext` wraps the
-rollout context so that each engine request carries the student context with the framed
-feedback message F inserted right before the generation prompt of the scoped turn(s), exactly
-where :func:`megatron_tg.chat.framing.insert_feedback` puts it for the expert; the rollout that
-is recorded and judged is the student's, without F):
+Where the feedback goes (the agent loop runs unchanged;
+:class:`~megatron_tg.judge.feedback_context.FeedbackContext` wraps the rollout context so that
+each engine request carries the student context with the framed feedback message F inserted
+right before the generation prompt of the scoped turn(s), exactly where
+:func:`megatron_tg.chat.feedback.insert_feedback` puts it for the expert; the rollout that is
+recorded and judged is the student's, without F):
 
 * ``every_turn`` / ``any_tool_call``: which turns will fail (or will call a tool) is unknown
   before they are generated, so F is inserted before EVERY turn (fresh rollouts).
@@ -28,216 +29,30 @@ With several turns carrying F, ``feedback_context="shared"`` keeps every earlier
 the context (the trainer's default ``expert_sequence: shared``); ``"exact"`` keeps only the F
 of the turn being generated (``expert_sequence: exact``). The message is the criterion's
 feedback in ``template`` (default: the config's ``judge.feedback_framing``), rendered by the
-chat template as a ``framing``-role message (:func:`~megatron_tg.chat.framing.feedback_message_ids`).
+chat template as a ``framing``-role message (:func:`~megatron_tg.chat.feedback.feedback_message_ids`).
 F does not count against the harness's ``max_context_tokens`` (it is not part of the rollout).
 
-Statistics, per criterion (rollouts whose judging failed are excluded from both arms):
-
-* pass rate without (p0 = k0/n0), with (p1 = k1/n1), and d = p1 − p0 with Newcombe's hybrid
-  score interval (Newcombe 1998, method 10: built from the two Wilson score intervals). It
-  treats the arms as independent samples; for the branched final-turn design the arms share
-  their prefixes (positively correlated), which makes the interval conservative.
-* the primary criterion (all of the rubric's ``primary`` criteria pass) the same way, plus the
-  mean weighted primary reward of each arm.
-* verdict ``keep`` iff the criterion's CI lower bound > ``min_improvement`` (default 0) AND the
-  primary pass rate does not drop by more than ``max_primary_drop`` (point estimate: with a
-  few dozen samples the CI of a drop is too wide to demand its bound). No multiple-comparison
-  correction across criteria. A rubric without a primary criterion skips the primary check.
+The statistics, the verdict and the printed report are :mod:`megatron_tg.judge.vet_report`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from megatron_tg.chat.framing import FramingError, feedback_message_ids, generation_prompt_ids
-from megatron_tg.judge.judge import Judge, JudgeResult
+from megatron_tg.chat.feedback import feedback_message_ids
+from megatron_tg.chat.template import generation_prompt_ids
+from megatron_tg.judge.feedback_context import FeedbackContext, replay_turns
+from megatron_tg.judge.intervals import z_value
+from megatron_tg.judge.judge import Judge
 from megatron_tg.judge.rubric import Criterion, Rubric
-from megatron_tg.rollout.context import RolloutContext, TurnOutput
+from megatron_tg.judge.vet_report import CI_METHOD, criterion_report, tally_arm
+from megatron_tg.rollout.context import RolloutContext
 from megatron_tg.rollout.types import Rollout
 
 FEEDBACK_CONTEXTS = ("shared", "exact")
 BRANCH_SCOPES = ("final_turn", "rollout")
-CI_METHOD = "newcombe-hybrid-score (Wilson), independent arms"
-
-
-# ---------------------------------------------------------------------- statistics
-def z_value(confidence: float) -> float:
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    return statistics.NormalDist().inv_cdf(0.5 + confidence / 2.0)
-
-
-def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion k/n ((0, 1) when n == 0)."""
-    if not 0 <= k <= n:
-        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
-    if n == 0:
-        return 0.0, 1.0
-    z = z_value(confidence)
-    p = k / n
-    denom = 1.0 + z * z / n
-    center = (p + z * z / (2 * n)) / denom
-    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    # k == 0 / k == n: the bound is exactly 0 / 1 (avoid -1e-17 from rounding).
-    return (0.0 if k == 0 else center - half), (1.0 if k == n else center + half)
-
-
-def newcombe_interval(k1: int, n1: int, k0: int, n0: int,
-                      confidence: float = 0.95) -> tuple[float, float, float]:
-    """(d, lo, hi) for d = k1/n1 − k0/n0: Newcombe's hybrid score interval (method 10)."""
-    if n1 == 0 or n0 == 0:
-        return math.nan, -1.0, 1.0
-    p1, p0 = k1 / n1, k0 / n0
-    l1, u1 = wilson_interval(k1, n1, confidence)
-    l0, u0 = wilson_interval(k0, n0, confidence)
-    d = p1 - p0
-    lo = d - math.sqrt((p1 - l1) ** 2 + (u0 - p0) ** 2)
-    hi = d + math.sqrt((u1 - p1) ** 2 + (p0 - l0) ** 2)
-    return d, lo, hi
-
-
-# ---------------------------------------------------------------------- feedback in the loop
-class FeedbackContext:
-    """A rollout context whose engine requests carry the feedback message.
-
-    The agent loop calls ``generate(ids)`` with its own (student) context, which always ends
-    with the generation prompt G of the turn to generate and always extends the previous
-    request plus its output. Turn k's insertion point is just before that G. Turns before
-    ``start_turn`` are not targeted; turns listed in ``replay`` are answered from the
-    recording (no engine call). Everything else is delegated to ``inner``.
-    """
-
-    def __init__(self, inner, feedback_ids: Sequence[int], gen_prompt_ids: Sequence[int], *,
-                 start_turn: int = 0, persist: bool = True,
-                 replay: Sequence[tuple[list[int], TurnOutput]] = ()):
-        self.inner = inner
-        self.feedback_ids = list(feedback_ids)
-        self.gen = list(gen_prompt_ids)
-        self.start_turn = int(start_turn)
-        self.persist = bool(persist)
-        self.replay = list(replay)
-        self.points: list[int] = []     # insertion point of each turn so far (student positions)
-        self.requests: list[list[int]] = []  # what the engine was sent (diagnostics, tests)
-        self.replay_mismatches = 0
-        self._prev: list[int] | None = None
-
-    def __getattr__(self, name: str) -> Any:  # task, group_id, rollout_id, version, ...
-        if name == "inner":  # not set yet (e.g. during copy): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def engine_context(self, ids: Sequence[int], turn: int) -> list[int]:
-        """``ids`` with F inserted at the insertion points of the targeted turns <= ``turn``."""
-        active = [p for j, p in enumerate(self.points[:turn + 1])
-                  if j >= self.start_turn and (self.persist or j == turn)]
-        out: list[int] = []
-        prev = 0
-        for p in active:
-            out += list(ids[prev:p]) + self.feedback_ids
-            prev = p
-        return out + list(ids[prev:])
-
-    async def generate(self, input_ids: Sequence[int], max_new_tokens: int | None = None,
-                       **kw: Any) -> TurnOutput:
-        ids = [int(t) for t in input_ids]
-        if len(ids) < len(self.gen) or ids[len(ids) - len(self.gen):] != self.gen:
-            raise FramingError("the agent loop's context does not end with the generation prompt")
-        if self._prev is not None and ids[:len(self._prev)] != self._prev:
-            raise FramingError("the agent loop's context does not extend the previous turn")
-        turn = len(self.points)
-        self.points.append(len(ids) - len(self.gen))
-        if turn < len(self.replay):
-            expected, out = self.replay[turn]
-            if ids != expected:  # e.g. a tool whose output is not deterministic
-                self.replay_mismatches += 1
-            self._prev = ids + list(out.ids)
-            return out
-        ctx = self.engine_context(ids, turn)
-        self.requests.append(ctx)
-        out = await self.inner.generate(ctx, max_new_tokens=max_new_tokens, **kw)
-        self._prev = ids + list(out.ids)
-        return out
-
-
-def replay_turns(rollout: Rollout, n: int) -> list[tuple[list[int], TurnOutput]]:
-    """The first ``n`` assistant turns of ``rollout`` as recorded engine answers, each with the
-    context it was generated from."""
-    out = []
-    for seg in rollout.assistant_turns()[:n]:
-        v = int(seg.policy_version or 0)
-        out.append((rollout.token_ids[:seg.start],
-                    TurnOutput(rollout.token_ids[seg.start:seg.end], list(seg.logprobs or []), v,
-                               [v], str(seg.meta.get("finish", "stop")))))
-    return out
-
-
-# ---------------------------------------------------------------------- report types
-@dataclass
-class Arm:
-    """One condition (with / without feedback) of one criterion."""
-
-    rollouts: int = 0        # generated
-    rollout_errors: int = 0  # the rollout itself failed (engine / harness exception)
-    judge_errors: int = 0    # judged with an error: excluded (never a silent pass or fail)
-    n: int = 0               # judged without error: the denominator
-    passed: int = 0          # criterion passed
-    primary_passed: int | None = None   # every primary criterion passed (None: rubric has none)
-    primary_reward: float | None = None  # mean weighted reward of the primary criteria
-
-    @property
-    def rate(self) -> float:
-        return self.passed / self.n if self.n else math.nan
-
-    @property
-    def primary_rate(self) -> float | None:
-        if self.primary_passed is None:
-            return None
-        return self.primary_passed / self.n if self.n else math.nan
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["rate"] = _num(self.rate)
-        d["primary_rate"] = _num(self.primary_rate)
-        return d
-
-
-@dataclass
-class CriterionReport:
-    name: str
-    scope: str
-    feedback: str
-    design: str
-    """"fresh": independent rollouts with F before every turn; "branch_final_turn": each
-    without-rollout's last turn regenerated with F (see module docstring)."""
-    without: Arm
-    with_: Arm
-    diff: float
-    ci: tuple[float, float]
-    primary_diff: float | None
-    primary_ci: tuple[float, float] | None
-    verdict: str
-    reasons: list[str] = field(default_factory=list)
-    replay_mismatches: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "scope": self.scope, "feedback": self.feedback,
-                "design": self.design, "without": self.without.to_dict(),
-                "with": self.with_.to_dict(), "diff": _num(self.diff),
-                "ci": [_num(x) for x in self.ci], "primary_diff": _num(self.primary_diff),
-                "primary_ci": None if self.primary_ci is None else [_num(x) for x in self.primary_ci],
-                "verdict": self.verdict, "reasons": list(self.reasons),
-                "replay_mismatches": self.replay_mismatches}
-
-
-def _num(x: float | None) -> float | None:
-    """JSON-safe number (NaN -> None, so the report stays strict JSON)."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return None
-    return float(x)
 
 
 @dataclass
@@ -370,8 +185,11 @@ async def vet_feedback(rubric: Rubric, tasks: Sequence[Any], tokenizer, client,
         pos += len(coros)
         with_, with_failed = await judged(items)
         mismatches = sum(getattr(ctx, "replay_mismatches", 0) for _, ctx in items)
-        reports.append(_criterion_report(c, fb, design, base, base_failed, with_, with_failed,
-                                         primary, cfg, mismatches))
+        reports.append(criterion_report(
+            c, fb, design, tally_arm(base, base_failed, c.name, primary),
+            tally_arm(with_, with_failed, c.name, primary), primary, confidence=cfg.confidence,
+            min_improvement=cfg.min_improvement, max_primary_drop=cfg.max_primary_drop,
+            mismatches=mismatches))
     return {
         "rubric": rubric.name, "rubric_source": rubric.source,
         "tasks": [t.id for t in tasks], "samples_per_task": cfg.samples,
@@ -382,80 +200,3 @@ async def vet_feedback(rubric: Rubric, tasks: Sequence[Any], tokenizer, client,
         "template": template, "primary_criteria": primary,
         "criteria": [r.to_dict() for r in reports],
     }
-
-
-def _arm(results: Sequence[tuple[Rollout, Any, JudgeResult]], failed: int, name: str,
-         primary: Sequence[str]) -> Arm:
-    arm = Arm(rollouts=len(results) + failed, rollout_errors=failed)
-    good = [res for _, _, res in results if res.trainable and name in res.criteria]
-    arm.judge_errors = len(results) - len(good)
-    arm.n = len(good)
-    arm.passed = sum(res.criteria[name].passed for res in good)
-    if primary:
-        arm.primary_passed = sum(all(res.criteria[p].passed for p in primary if p in res.criteria)
-                                 for res in good)
-        rewards = [res.reward_sum(primary) for res in good]
-        rewards = [r for r in rewards if r is not None]
-        arm.primary_reward = sum(rewards) / len(rewards) if rewards else None
-    return arm
-
-
-def _criterion_report(c: Criterion, fb: str, design: str, base, base_failed, with_, with_failed,
-                      primary: Sequence[str], cfg: VetConfig, mismatches: int) -> CriterionReport:
-    a0 = _arm(base, base_failed, c.name, primary)
-    a1 = _arm(with_, with_failed, c.name, primary)
-    d, lo, hi = newcombe_interval(a1.passed, a1.n, a0.passed, a0.n, cfg.confidence)
-    reasons = []
-    if a0.n == 0 or a1.n == 0:
-        reasons.append("no judged rollouts in one arm")
-    elif not lo > cfg.min_improvement:
-        reasons.append(f"pass-rate gain not significant: CI lower bound {lo:+.3f} <= "
-                       f"{cfg.min_improvement:+.3f}")
-    pd = pci = None
-    if primary and a0.n and a1.n:
-        pd, plo, phi = newcombe_interval(a1.primary_passed, a1.n, a0.primary_passed, a0.n,
-                                         cfg.confidence)
-        pci = (plo, phi)
-        if pd < -cfg.max_primary_drop - 1e-12:
-            reasons.append(f"primary pass rate drops by {-pd:.3f} > {cfg.max_primary_drop:.3f}")
-    return CriterionReport(c.name, c.scope, fb, design, a0, a1, d, (lo, hi), pd, pci,
-                           "reject" if reasons else "keep", reasons, mismatches)
-
-
-# ---------------------------------------------------------------------- printing
-def format_report(report: Mapping[str, Any]) -> str:
-    conf = int(round(100 * report["confidence"]))
-    lines = [f"rubric {report['rubric']!r}: {len(report['tasks'])} task(s) x "
-             f"{report['samples_per_task']} sample(s) per arm; {conf}% CI: {report['ci_method']}; "
-             f"keep if CI low > {report['thresholds']['min_improvement']:+.2f} and primary drop "
-             f"<= {report['thresholds']['max_primary_drop']:.2f}",
-             ""]
-    hdr = (f"{'criterion':<24} {'scope':<13} {'without':>12} {'with':>12} {'diff [CI]':>24} "
-           f"{'primary pass w/o -> with':>28}  verdict")
-    lines.append(hdr)
-
-    def rate(arm):
-        return f"{arm['passed']}/{arm['n']} {_fmt(arm['rate'])}"
-
-    for r in report["criteria"]:
-        ci = f"{_fmt(r['diff'], True)} [{_fmt(r['ci'][0], True)}, {_fmt(r['ci'][1], True)}]"
-        if r["primary_diff"] is None:
-            prim = "-"
-        else:
-            prim = (f"{_fmt(r['without']['primary_rate'])} -> {_fmt(r['with']['primary_rate'])} "
-                    f"({_fmt(r['primary_diff'], True)})")
-        lines.append(f"{r['name']:<24} {r['scope']:<13} {rate(r['without']):>12} "
-                     f"{rate(r['with']):>12} {ci:>24} {prim:>28}  {r['verdict']}")
-        for why in r["reasons"]:
-            lines.append(f"    {why}")
-        errs = sum(r[a][k] for a in ("without", "with") for k in ("rollout_errors", "judge_errors"))
-        if errs or r["replay_mismatches"]:
-            lines.append(f"    excluded: {errs} rollout(s) with rollout/judge errors; "
-                         f"replay mismatches: {r['replay_mismatches']}")
-    return "\n".join(lines)
-
-
-def _fmt(x: float | None, signed: bool = False) -> str:
-    if x is None:
-        return "n/a"
-    return f"{x:+.2f}" if signed else f"{x:.2f}"

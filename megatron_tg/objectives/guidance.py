@@ -18,6 +18,8 @@ Math contract (paper §4, eq. for L(θ)):
   n_i = |assistant tokens of i| ("rollout_assistant"); K_i = 0 when n_i = 0. Then
   L_KL = (1/N_rollouts) Σ_i K_i over *all* rollouts (the GRPO term's denominator).
   "global": L_KL = Σ_t g_t D_t / Σ_t g_t over the step (no per-rollout averaging).
+* ``kl_action_weight`` a ≠ 1: within each rollout, a gated action row (outside thinking)
+  weighs a times a gated thinking row, the rollout's Σ w_t unchanged.
 * The term enters the loss as λ · L_KL (λ = ``kl_coef``, possibly lowered by the entropy
   guard). When no token is gated the term is *absent* (not 0·something), so the loss equals
   the GRPO loss bitwise, as the paper's unbiasedness argument requires.
@@ -75,7 +77,8 @@ def kl_token_weights(batch: PolicyBatch, cfg: ObjectiveConfig, gate_index: torch
     num_rollouts = batch.advantages.shape[0]
     if cfg.kl_token_normalization == "global":
         total = batch.num_gated_tokens if batch.num_gated_tokens is not None else gate.sum()
-        return gate[gate_index] / torch.as_tensor(total, dtype=dtype).clamp(min=1e-12)
+        return _action_weighted(batch, cfg, gate_index,
+                                gate[gate_index] / torch.as_tensor(total, dtype=dtype).clamp(min=1e-12))
     if cfg.kl_token_normalization == "rollout_gated":
         denom = batch.rollout_gated_tokens
         if denom is None:
@@ -87,7 +90,23 @@ def kl_token_weights(batch: PolicyBatch, cfg: ObjectiveConfig, gate_index: torch
     denom = denom.to(dtype)[batch.rollout_index[gate_index]]
     rollouts = float(max(batch.num_rollouts or num_rollouts, 1))
     # A gated row implies its rollout's count is > 0; the clamp only guards bad step totals.
-    return gate[gate_index] / denom.clamp(min=1e-12) / rollouts
+    return _action_weighted(batch, cfg, gate_index,
+                            gate[gate_index] / denom.clamp(min=1e-12) / rollouts)
+
+
+def _action_weighted(batch: PolicyBatch, cfg: ObjectiveConfig, gate_index: torch.Tensor,
+                     w: torch.Tensor) -> torch.Tensor:
+    """``kl_action_weight`` a: action rows' weights times a, then each rollout's weights scaled
+    back to their sum before (a rollout's rows are all in one micro-batch, so this is exact)."""
+    a = cfg.kl_action_weight
+    if a == 1.0 or batch.thinking_mask is None:
+        return w
+    mult = torch.where(batch.thinking_mask[gate_index], 1.0, a).to(w.dtype)
+    r = batch.rollout_index[gate_index]
+    n = batch.advantages.shape[0]
+    before = torch.zeros(n, dtype=w.dtype, device=w.device).index_add_(0, r, w)
+    after = torch.zeros(n, dtype=w.dtype, device=w.device).index_add_(0, r, w * mult)
+    return w * mult * (before / after.clamp(min=1e-30))[r]
 
 
 def _step_token_mean(batch: PolicyBatch, gate_w: torch.Tensor):

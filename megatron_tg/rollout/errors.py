@@ -12,7 +12,7 @@ from typing import Sequence
 class FramingError(ValueError):
     """The conversation / template / tokens do not line up as the chat framing requires.
 
-    Raised by :mod:`megatron_tg.chat.framing`; defined with the data model so that the rollout
+    Raised by :mod:`megatron_tg.chat.template` and :mod:`megatron_tg.chat.feedback`; defined with the data model so that the rollout
     manager can classify it without importing the chat package (chat depends on rollout,
     never the reverse)."""
 

@@ -37,7 +37,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from megatron_tg.chat.framing import assistant_token_spans, insert_feedback
+from megatron_tg.chat.feedback import insert_feedback
+from megatron_tg.chat.parsing import assistant_token_spans
 from megatron_tg.rollout.routed_experts import RoutedExperts, RoutedExpertsBuilder
 from megatron_tg.rollout.types import Rollout, Segment
 

@@ -215,10 +215,12 @@ class RolloutSide:
                 raise ValueError("the embedded engine needs an HF model directory to serve")
             if key_file is None:  # engines of our own, on a port anyone on this host can reach
                 key_file = str(write_key_dir(Path(log_dir) / "engines" / "secret")[0])
+            extra = ["--enable-return-routed-experts"] if routing_spec(cfg) else []
+            if cfg.rollout.placement == "colocated":  # release/resume free and restore memory
+                extra.append("--enable-memory-saver")
             self.engines = start_engines([Path(engine_model_dir)] * cfg.rollout.num_engines,
-                                         Path(log_dir) / "engines",
-                                         extra_args=["--enable-return-routed-experts"]
-                                         if routing_spec(cfg) else [], api_key_file=key_file)
+                                         Path(log_dir) / "engines", extra_args=extra,
+                                         api_key_file=key_file)
             urls = [e.url for e in self.engines]
         else:
             urls = list(cfg.rollout.server_urls)

@@ -8,7 +8,7 @@ and user messages in between. So SFT trains on the token sequence RL later sampl
 trains on, and the loss covers exactly the assistant tokens. Thinking (``reasoning_content``)
 is part of the turn; where the template drops it (Qwen3-Coder's own, a non-thinking model),
 it is written as ``<think>...</think>`` at the start of the turn
-(:func:`megatron_tg.chat.framing.fold_reasoning`): the thinking base the paper starts from.
+(:func:`megatron_tg.chat.template.fold_reasoning`): the thinking base the paper starts from.
 
 Bad lines are refused with the file, line and reason; nothing is silently skipped.
 """

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_tg.chat.framing import build_expert_sequences
+from megatron_tg.chat.feedback import build_expert_sequences
 from megatron_tg.config.objective import ObjectiveConfig
 from megatron_tg.objectives.batch import PolicyBatch
 from megatron_tg.objectives.guidance import build_gate

@@ -3,7 +3,9 @@
     python -m megatron_tg.train --recipe recipes/tiny_cpu.yaml [key=value ...]
 
 One process per GPU (torchrun or srun); global rank 0 also owns the rollout side (engines,
-manager, judge), which generates in the background while the trainer trains. On SIGUSR1 or
+manager, judge), which generates in the background while the trainer trains (with
+``rollout.placement=colocated`` the two take turns on the same GPUs instead:
+:mod:`megatron_tg.weight_sync.colocated`). On SIGUSR1 or
 SIGTERM (Slurm's warning before the time limit) the loop finishes the current step, saves a
 checkpoint and exits with :data:`EXIT_REQUEUE` so the batch script requeues the job; a
 restarted job resumes from the newest checkpoint.
@@ -19,12 +21,13 @@ import torch.distributed as dist
 
 from megatron_tg.config.schema import TGConfig
 from megatron_tg.sampling.protocols import MakeRolloutSource
+from megatron_tg.weight_sync.colocated import make_phases
 from megatron_tg.train.manifest import write_manifest
 from megatron_tg.train.metrics import MetricsLogger
 from megatron_tg.train.samples import SampleRecorder
 from megatron_tg.train.scatter import scatter_by_tokens, wait_for_batch
 from megatron_tg.train.trainer import Trainer
-from megatron_tg.weight_sync.sync import SyncChecks, sync_to_engines
+from megatron_tg.weight_sync.checks import SyncChecks
 
 EXIT_DONE, EXIT_REQUEUE = 0, 75  # 75 = EX_TEMPFAIL: "try again", the Slurm scripts' contract
 
@@ -59,9 +62,10 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
     side = make_rollout_side(trainer) if rank0 else None
     if side is not None and "rollouts" in state:
         side.load_state_dict(state["rollouts"])
-    checks = SyncChecks.from_config(cfg.rollout)
+    # rollout.placement: what runs around training (colocated: engines and trainer take turns)
+    phases = make_phases(trainer, side, SyncChecks.from_config(cfg.rollout))
     if trainer.step > 0:  # the engines serve the base weights: bring them to the checkpoint's
-        sync_to_engines(trainer, side, checks, restart=True)
+        phases.sync(restart=True)
     if rank0:  # what produced this run, appended at every start (train/manifest.py)
         write_manifest(cfg.logging.run_dir, cfg, step=trainer.step, **side.identity())
     _say(rank0, f"resumed from checkpoint step {trainer.step} of {cfg.steps}" if trainer.step
@@ -76,6 +80,7 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
         if rank0 and trainer.step == 0 and (baseline := side.probe_metrics(0)):
             log.log(0, baseline)  # step-0 baselines: the held-out evaluation, probes
         while trainer.step < cfg.steps:
+            phases.before_generate()
             t0 = time.perf_counter()
             batch = side.next_batch(trainer.step) if rank0 else (None, None)      # generate + judge
             # the others wait on the store, not in the scatter (no collective timeout applies)
@@ -84,9 +89,11 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
             t1 = time.perf_counter()
             waited = torch.tensor([waited], device=trainer.ctx.device)
             dist.all_reduce(waited, op=dist.ReduceOp.MAX)  # the longest store wait of any rank
+            metrics.update(phases.before_train())
             metrics.update(trainer.train_step(samples))                          # GRPO + gated KL
+            metrics.update(phases.after_train())
             t2 = time.perf_counter()
-            metrics.update(sync_to_engines(trainer, side, checks))                # -> engines
+            metrics.update(phases.sync())                                        # -> engines
             if rank0:
                 metrics.update(side.probe_metrics(trainer.step))
             tokens = sum(len(s.rollout.token_ids) for s in samples) * trainer.ctx.dims.dp
@@ -102,7 +109,7 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
             stopping = stop.agreed(trainer.ctx.device)
             trainer.checkpointer.finalize()  # completes the async saves every rank has written
             if stopping or trainer.step % cfg.checkpoint.interval == 0 or trainer.step == cfg.steps:
-                trainer.save({"rollouts": side.state_dict() if rank0 else None})  # checkpoint
+                phases.save({"rollouts": side.state_dict() if rank0 else None})  # checkpoint
             if stopping and trainer.step < cfg.steps:
                 trainer.checkpointer.finalize(blocking=True)  # complete before saying so
                 _say(rank0, f"stop requested: checkpointed step {trainer.step}, exiting {EXIT_REQUEUE}"

@@ -89,6 +89,9 @@ def replay_routing(model: torch.nn.Module, ids: torch.Tensor | None, layers: Seq
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = moe_routers(model)
+    if not routers:  # a pipeline stage of dense layers only: nothing routes here
+        yield
+        return
     if not replay_enabled(model):
         raise RuntimeError("routing replay needs the policy built with moe_enable_routing_replay "
                            "(rollout.routing_replay); this model's routers have no RouterReplay")

@@ -8,8 +8,8 @@ Graded on commit 521c45e by the reviewer's harness (the same as ``_grade_beside_
 13 of the 15 were PASS without implementing ``add`` (all 13 on three of three runs), the two
 host-side ones FAIL as they should (the live racer refused with a reason; 150,000 empty files
 FAIL but take 92-117 s to grade). No host file changed, no marked process outlived a grade.
-The 13 are ``LEFT_OPEN``: not mended yet, each named in docs/grading.md's residual risks
-(``test_grading_attacks.py::test_what_the_sixth_review_left_open_is_named_in_the_residual_risks``)."""
+The 13 were ``LEFT_OPEN`` until mended; each is now graded FAIL
+(``test_grading_attacks.py::test_the_sixth_review_s_solutions_are_graded_fail``)."""
 from __future__ import annotations
 
 import os
@@ -757,17 +757,8 @@ add = _Add()
 '''})
 
 
-# Graded PASS on 521c45e and not mended yet (docs/grading.md, residual risks).
-LEFT_OPEN = {n: n for n in ['oracle-failing-assert-message',
-             'import-swap-refcount-finalizer-open',
-             'c-partial-getattribute-linecache',
-             'c-partial-gc-emit-forge-all',
-             'warning-stacklevel-pytest-reads-test-into-linecache',
-             'oracle-eq-argument-of-a-failing-assert',
-             'busy-window-via-wrapped-code-lookup',
-             'library-fraction-sticky-numerator',
-             'item-obj-swapped-for-wrapped-noop',
-             'subinterpreter-has-no-audit-hook',
-             'item-obj-swapped-for-protected-non-test-function',
-             'procmem-dirfd-nonce-raw-forge-no-oracle',
-             'settrace-rewrites-the-test-frame-s-tg_cmp-local']}
+# Graded PASS on 521c45e and not mended yet (docs/grading.md, residual risks). All 13 were graded
+# FAIL after the mends (docs/grading.md, "The sixth review"); the two host-side ones are graded
+# by their own tests (HOST_SIDE).
+LEFT_OPEN: dict[str, str] = {}
+HOST_SIDE = ("live-racer-toctou-links-during-extract", "150k-empty-files-grading-cost")

@@ -32,6 +32,7 @@ from .hostile_review4 import ATTACKS as REVIEW4
 from .hostile_review5 import ATTACKS as REVIEW5
 from .hostile_review5 import LEFT_OPEN as REVIEW5_LEFT_OPEN
 from .hostile_review6 import ATTACKS as REVIEW6
+from .hostile_review6 import HOST_SIDE as REVIEW6_HOST_SIDE
 from .hostile_review6 import LEFT_OPEN as REVIEW6_LEFT_OPEN
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
@@ -294,6 +295,20 @@ def test_too_many_files_are_refused_before_any_read(monkeypatch, grader):
     monkeypatch.setattr("megatron_tg.agent.grading.MAX_FILES", 50)
     g = grade(grader, {"calc.py": CORRECT, **{f"junk/{i}.txt": "x" for i in range(60)}})
     assert not g.passed and g.reason == "not graded: the workspace has more than 50 entries (its quota)"
+
+
+def test_too_many_changed_files_are_refused_after_a_bounded_read(monkeypatch, grader):
+    """Empty files are within every byte quota; each costs a read, a write and a removal (the
+    sixth review's 150,000 took 92-117 s to grade): the change's file count is bounded."""
+    monkeypatch.setattr("megatron_tg.agent.changes.MAX_CHANGED_FILES", 20)
+    g = grade(grader, {"calc.py": CORRECT, **{f"junk/{i}.txt": "" for i in range(30)}})
+    assert not g.passed and g.reason == "not graded: the change has more than 20 added or changed files", g.reason
+
+
+def test_a_workspace_read_past_its_deadline_is_refused(monkeypatch, grader):
+    monkeypatch.setattr("megatron_tg.agent.grading.PREPARE_S", -1.0)
+    g = grade(grader, {"calc.py": CORRECT})
+    assert not g.passed and g.reason.startswith("not graded: the workspace took too long to read"), g.reason
 
 
 def test_binary_and_oversized_changes_are_refused(grader):
@@ -608,3 +623,39 @@ def test_what_the_sixth_review_left_open_is_named_in_the_residual_risks():
     assert set(REVIEW6_LEFT_OPEN) <= set(REVIEW6)
     missing = [doc for doc in REVIEW6_LEFT_OPEN.values() if f"`{doc}`" not in risks]
     assert not missing, missing
+
+
+def _grade_review6(grader, tmp_path, name):
+    spec = REVIEW6[name]
+    ctx: dict = {"sandbox": grader.sandbox}
+
+    def hook(fn):  # the attack's hooks share one context, as the reviewer's harness gave them
+        return (lambda ws, host: fn(ws, ctx.setdefault("host", str(host)) and ctx)) if fn else None
+    g, host = _grade_beside_a_host_victim(grader, tmp_path, spec["files"], b"tgrv6", host_mode=0o777,
+                                          before_adopt=hook(spec["setup"]), after_adopt=hook(spec["after_adopt"]))
+    if spec["host_check"]:
+        assert spec["host_check"](None, {**ctx, "host": str(host)}) is None  # the workspace is gone
+    return g
+
+
+@pytest.mark.parametrize("name", [n for n in REVIEW6 if n not in REVIEW6_LEFT_OPEN and n not in REVIEW6_HOST_SIDE])
+def test_the_sixth_review_s_solutions_are_graded_fail(grader, name, tmp_path):
+    """Each was graded PASS on 521c45e without implementing ``add``; each is graded FAIL. The
+    grade's metadata encodes, no host file changes, and no marked process outlives the grade."""
+    g = _grade_review6(grader, tmp_path, name)
+    assert not g.passed, (name, g.reason, g.flags, g.output[-2000:])
+
+
+def test_a_live_racer_beside_a_correct_solution_changes_no_host_file(grader, tmp_path):
+    """The sixth review's racer (goal b) swaps the workspace's files for links and FIFOs while
+    it is read: whatever the verdict, the host victim is unchanged (checked by the helper and
+    the attack's own host check)."""
+    _grade_review6(grader, tmp_path, "live-racer-toctou-links-during-extract")
+
+
+def test_the_sixth_review_s_many_empty_files_are_refused_after_a_bounded_read(grader, tmp_path):
+    """150,000 empty files (goal c) took 92-117 s to grade on 521c45e: the change's file count
+    is bounded, so the grade stops after reading MAX_CHANGED_FILES of them."""
+    from megatron_tg.agent.changes import MAX_CHANGED_FILES
+    g = _grade_review6(grader, tmp_path, "150k-empty-files-grading-cost")
+    assert not g.passed and g.reason == f"not graded: the change has more than {MAX_CHANGED_FILES} added or changed files"

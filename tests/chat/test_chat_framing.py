@@ -7,17 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_tg.chat.builder import RolloutBuilder, simulate_rollout
-from megatron_tg.chat.framing import (
-    FramingError,
-    build_expert_sequences,
-    continuation_ids,
-    encode,
-    generation_prompt_ids,
-    insert_feedback,
-    parse_assistant,
-    render,
-)
-from megatron_tg.rollout.types import Rollout
+from megatron_tg.chat.feedback import build_expert_sequences, insert_feedback
+from megatron_tg.chat.parsing import parse_assistant
+from megatron_tg.chat.template import continuation_ids, encode, generation_prompt_ids, render
+from megatron_tg.rollout.types import FramingError, Rollout
 
 from .convos import SEARCH_TOOL, conversation
 
@@ -148,7 +141,7 @@ def test_parse_never_raises_and_token_spans_agree(tok, parts):
     text = "".join(parts)
     p = parse_assistant(text)
     assert isinstance(p.content, str)
-    from megatron_tg.chat.framing import assistant_token_spans
+    from megatron_tg.chat.parsing import assistant_token_spans
     ids = encode(tok, text)
     thinking, calls = assistant_token_spans(tok, ids)
     assert (thinking is None) == (p.thinking is None)
@@ -245,7 +238,7 @@ def test_insert_feedback_errors(tok, convo):
 @pytest.mark.parametrize("value, markup", [('print("<parameter=y>")', "<parameter="),
                                            ("echo </function> done", "</function>")])
 def test_strict_reading_refuses_values_sglang_reads_as_structure(value, markup):
-    from megatron_tg.chat.framing import parse_assistant
+    from megatron_tg.chat.parsing import parse_assistant
 
     text = f"<tool_call>\n<function=run>\n<parameter=command>\n{value}\n</parameter>\n</function>\n</tool_call>"
     turn = parse_assistant(text, stop_tokens=())
@@ -256,7 +249,7 @@ def test_strict_reading_refuses_values_sglang_reads_as_structure(value, markup):
 def test_unknown_reading_and_sglang_reading_without_sglang():
     import importlib.util
 
-    from megatron_tg.chat.framing import parse_assistant
+    from megatron_tg.chat.parsing import parse_assistant
 
     with pytest.raises(ValueError, match="reading must be one of"):
         parse_assistant("hi", reading="vllm")

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from megatron_tg.chat.framing import encode, render
+from megatron_tg.chat.template import encode, render
 from megatron_tg.chat.tokenizer import (
     ALL_ADDED_TOKENS,
     DEFAULT_VOCAB_SIZE,

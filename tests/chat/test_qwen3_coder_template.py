@@ -17,9 +17,17 @@ from __future__ import annotations
 import pytest
 
 from megatron_tg.chat.builder import RolloutBuilder, simulate_rollout
-from megatron_tg.chat.framing import (
-    assistant_generation_text, continuation_ids, encode, fold_reasoning, generation_prompt_ids,
-    insert_feedback, parse_assistant, render, stop_token_id)
+from megatron_tg.chat.feedback import insert_feedback
+from megatron_tg.chat.parsing import parse_assistant
+from megatron_tg.chat.template import (
+    assistant_generation_text,
+    continuation_ids,
+    encode,
+    fold_reasoning,
+    generation_prompt_ids,
+    render,
+    stop_token_id,
+)
 
 from .convos import SEARCH_TOOL, call
 from .qwen3_coder import VERSIONS, build_qwen3_coder_tokenizer, published_config, template_text

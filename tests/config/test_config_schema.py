@@ -146,7 +146,7 @@ def test_every_field_has_a_docstring_and_every_group_validates(cls):
 
 
 def test_feedback_roles_match_the_chat_framing():
-    from megatron_tg.chat.framing import FRAMINGS
+    from megatron_tg.chat.feedback import FRAMINGS
     from megatron_tg.config.rollout import FEEDBACK_ROLES
 
     assert FEEDBACK_ROLES == FRAMINGS

@@ -22,6 +22,7 @@ def quick_base(tmp_path_factory):
     """(directory, metrics of the build that made it)."""
     import torch
 
+    from megatron_tg.demo import base_config as BC
     from megatron_tg.demo import base_model as B
 
     out = tmp_path_factory.mktemp("demo_base")
@@ -32,6 +33,6 @@ def quick_base(tmp_path_factory):
         shutil.copytree(earlier, out, dirs_exist_ok=True)
     n = torch.get_num_threads()
     try:
-        return out, B.build_base_model(out, seed=0, **B.QUICK)
+        return out, B.build_base_model(out, seed=0, **BC.QUICK)
     finally:
         torch.set_num_threads(n)

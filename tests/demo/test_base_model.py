@@ -1,8 +1,8 @@
 """The demo's task (tool, verifier, rubric, episode driver) and its SFT'd base model.
 
-The quick build (``base_model.QUICK``: 400 SFT steps) is built once per test run (conftest.py). Its
+The quick build (``base_config.QUICK``: 400 SFT steps) is built once per test run (conftest.py). Its
 thresholds: the targets (new format without hint <= 0.01, with hint >= 0.9) and, for task
-success, ``base_model.QUICK_EXPECTED`` — lower bounds under the rates measured with two kernel
+success, ``base_config.QUICK_EXPECTED`` — lower bounds under the rates measured with two kernel
 sets and, for the earlier 300-step build, on two machines (recorded there).
 """
 
@@ -16,16 +16,16 @@ import pytest
 
 from megatron_tg.agent.tools import search_lines
 from megatron_tg.chat.builder import simulate_rollout
-from megatron_tg.chat.framing import (
-    assistant_generation_text,
-    encode,
-    generation_prompt_ids,
-    insert_feedback,
-    parse_assistant,
-)
+from megatron_tg.chat.feedback import insert_feedback
+from megatron_tg.chat.parsing import parse_assistant
+from megatron_tg.chat.template import assistant_generation_text, encode, generation_prompt_ids
 from megatron_tg.chat.tokenizer import get_tiny_tokenizer
 from megatron_tg.config.rollout import JudgeConfig
+from megatron_tg.demo import base_config as BC
+from megatron_tg.demo import base_eval as BE
 from megatron_tg.demo import base_model as B
+from megatron_tg.demo import sft_data as SD
+from megatron_tg.demo import episodes as E
 from megatron_tg.demo import task as T
 from megatron_tg.judge import Judge, Transcript, load_rubric
 
@@ -201,7 +201,7 @@ def test_sft_hint_placement_equals_insert_feedback(tok, new_format):
         sft_ids = encode(tok, text[:text.rindex(tok.eos_token) + len(tok.eos_token)])
         assert sft_ids == expert.token_ids
         # the SFT loss mask is exactly the rollout's assistant tokens, moved by the insertion
-        mask = B.assistant_loss_mask(sft_ids, generation_prompt_ids(tok), tok.eos_token_id)
+        mask = SD.assistant_loss_mask(sft_ids, generation_prompt_ids(tok), tok.eos_token_id)
         moved = [0] * len(sft_ids)
         for j, a in enumerate(plain.assistant_mask()):
             if a:
@@ -213,7 +213,7 @@ def test_sft_hint_placement_equals_insert_feedback(tok, new_format):
 
 
 def test_sft_examples_are_the_rendered_rollouts(tok):
-    ex = B.sft_examples(tok, 80, seed=0, hint_fraction=0.5, context_fraction=0.3, hint_old_fraction=0.3)
+    ex = SD.sft_examples(tok, 80, seed=0, hint_fraction=0.5, context_fraction=0.3, hint_old_fraction=0.3)
     kinds = [e.kind for e in ex]
     assert 10 < kinds.count("hint") < 50 and kinds.count("context") > 2 and kinds.count("plain") > 10
     assert kinds.count("hint_old") > 2
@@ -223,7 +223,7 @@ def test_sft_examples_are_the_rendered_rollouts(tok):
         assert ("<parameter=lines>" in text) == (kind in ("hint", "context"))
         assert (T.HINT in text) == (kind in ("hint", "hint_old"))
         assert ids[-1] == tok.eos_token_id and mask[-1] == 1 and len(mask) == len(ids)
-        full = B.assistant_loss_mask(ids, gen, tok.eos_token_id)
+        full = SD.assistant_loss_mask(ids, gen, tok.eos_token_id)
         trained = tok.decode([t for t, m in zip(ids, mask) if m])
         if kind == "context":  # the new-format call is never a target without the hint
             assert "<tool_call>" not in trained and trained.startswith("The value of")
@@ -239,8 +239,8 @@ def test_sft_examples_are_the_rendered_rollouts(tok):
 @pytest.mark.parametrize("turn", [0, 1])
 def test_episode_hint_placement_equals_insert_feedback(tok, turn):
     t = T.make_task(0, 9)
-    plain = T.run_episodes([t], _scripted(tok, t, new_format=True, lines=2), tok)[0]
-    hinted = T.run_episodes([t], _scripted(tok, t, new_format=True, lines=2), tok,
+    plain = E.run_episodes([t], _scripted(tok, t, new_format=True, lines=2), tok)[0]
+    hinted = E.run_episodes([t], _scripted(tok, t, new_format=True, lines=2), tok,
                             hint=T.HINT, hint_turns=(turn,))[0]
     expert = insert_feedback(plain.rollout, {turn: T.HINT}, tok, framing="user", truncate=False)
     assert hinted.rollout.token_ids == expert.token_ids
@@ -254,7 +254,7 @@ def test_episode_driver_oracle_and_failures(tok):
     tasks = T.make_tasks(3, seed=2)
     for new in (False, True):
         for t in tasks:
-            e = T.run_episode(t, lambda ids, g=_scripted(tok, t, new_format=new): g([ids])[0], tok)
+            e = E.run_episode(t, lambda ids, g=_scripted(tok, t, new_format=new): g([ids])[0], tok)
             assert e.finish_reason == "stop" and e.success and e.new_format == new
             assert e.rollout.metadata["answer"] == t.answer and e.rollout.metadata["logprobs"] == "missing"
             assert [s.kind for s in e.rollout.segments] == ["prompt", "assistant", "tool", "assistant"]
@@ -262,13 +262,13 @@ def test_episode_driver_oracle_and_failures(tok):
     t = tasks[0]
     call = encode(tok, assistant_generation_text(tok, T.reference_messages(t, new_format=False)[1]))
     # the agent keeps searching: max_turns
-    e = T.run_episode(t, lambda ids: (call, [-0.5] * len(call)), tok, max_turns=2)
+    e = E.run_episode(t, lambda ids: (call, [-0.5] * len(call)), tok, max_turns=2)
     assert e.finish_reason == "max_turns" and not e.success and e.rollout.num_turns == 2
     assert "logprobs" not in e.rollout.metadata and e.rollout.turn(0).logprobs == [-0.5] * len(call)
     # a turn cut without the stop token: length; tokens after the stop token are dropped
-    e = T.run_episode(t, lambda ids: call[:-1], tok)
+    e = E.run_episode(t, lambda ids: call[:-1], tok)
     assert e.finish_reason == "length" and not e.success
-    e = T.run_episode(t, lambda ids: call + [tok.pad_token_id] * 3, tok, max_turns=1)
+    e = E.run_episode(t, lambda ids: call + [tok.pad_token_id] * 3, tok, max_turns=1)
     assert e.rollout.token_ids[-1] == tok.eos_token_id
 
 
@@ -277,8 +277,8 @@ def test_sft_is_deterministic(tok):
     import torch
     from transformers import Qwen3MoeForCausalLM
 
-    cfg = B.BaseModelConfig(steps=3, batch_size=4, warmup_steps=1)
-    ex = B.sft_examples(tok, 16, seed=0, hint_fraction=0.5)
+    cfg = BC.BaseModelConfig(steps=3, batch_size=4, warmup_steps=1)
+    ex = SD.sft_examples(tok, 16, seed=0, hint_fraction=0.5)
     eos, pad = tok.eos_token_id, tok.pad_token_id
     runs = []
     for _ in range(2):
@@ -305,10 +305,10 @@ def test_quick_build_properties(quick_build):
     assert m["new_format_hint"] >= 0.9
     assert m["p_branch_hint_mean"] > 0.9
     # (a) the task is solved without the hint (measured quick build: see QUICK_EXPECTED)
-    assert m["success_no_hint"] >= B.QUICK_EXPECTED["success_no_hint"]
-    assert m["success_hint"] >= B.QUICK_EXPECTED["success_hint"]
+    assert m["success_no_hint"] >= BC.QUICK_EXPECTED["success_no_hint"]
+    assert m["success_hint"] >= BC.QUICK_EXPECTED["success_hint"]
     # after a new-format call without the hint (what TG will teach) the answer still works
-    assert m["success_forced_new_no_hint"] >= B.QUICK_EXPECTED["success_forced_new_no_hint"]
+    assert m["success_forced_new_no_hint"] >= BC.QUICK_EXPECTED["success_forced_new_no_hint"]
     # the expert (hint in context) disagrees with the student's old-format turn at the
     # format's branch token, and continues the rest of the student's call as the student does
     assert m["expert_kl_branch_mean"] > 5.0
@@ -324,38 +324,38 @@ def test_quick_build_loads_and_is_cached(quick_build, tok):
     out, m = quick_build
     model = AutoModelForCausalLM.from_pretrained(out)
     tk = AutoTokenizer.from_pretrained(out)
-    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == B.BaseModelConfig().num_experts
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == BC.BaseModelConfig().num_experts
     assert model.config.vocab_size == len(tk) and model.config.eos_token_id == tk.eos_token_id
     # the saved tokenizer frames chats exactly as the project's tiny tokenizer does
     msgs = T.reference_messages(T.make_task(0, 1), new_format=True, lines=2, hint=T.HINT)
     assert tk.apply_chat_template(msgs, tokenize=False) == tok.apply_chat_template(msgs, tokenize=False)
     # the two formats diverge at one token: the delimiter the branch probabilities measure
     t = T.make_task(0, 1)
-    old, new = B.turn_ids(tk, t, new_format=False), B.turn_ids(tk, t, new_format=True, lines=2)
+    old, new = SD.turn_ids(tk, t, new_format=False), SD.turn_ids(tk, t, new_format=True, lines=2)
     j = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
     assert tk.convert_ids_to_tokens([old[j], new[j]]) == ["</", "<parameter"]
     assert old[j:] == new[j + 8:]  # "<parameter", "=lines", ">\n", "2", "\n", "</", "parameter", ">\n"
-    assert B.build_base_model(out, seed=0, **B.QUICK)["cached"] is True
-    assert B.build_hash(B.BaseModelConfig(seed=0, **B.QUICK)) != B.build_hash(B.BaseModelConfig(seed=1, **B.QUICK))
+    assert B.build_base_model(out, seed=0, **BC.QUICK)["cached"] is True
+    assert B.build_hash(BC.BaseModelConfig(seed=0, **BC.QUICK)) != B.build_hash(BC.BaseModelConfig(seed=1, **BC.QUICK))
 
 
 @pytest.mark.slow
 def test_hf_sampler_left_padding_and_episodes(quick_build):
-    from megatron_tg.chat.framing import prompt_ids
+    from megatron_tg.chat.template import prompt_ids
 
     out, _ = quick_build
     model, tk = B.load_base_model(out)
     tasks = T.make_tasks(6, seed=5, split="eval")
     ctx = [prompt_ids(tk, t.prompt_messages() + ([T.hint_message()] if i % 2 else []))
            for i, t in enumerate(tasks)]
-    greedy = B.hf_generate_batch(model, tk, temperature=0, max_new_tokens=40)
+    greedy = BE.hf_generate_batch(model, tk, temperature=0, max_new_tokens=40)
     batched, single = greedy(ctx), [greedy([c])[0] for c in ctx]
     assert [b[0] for b in batched] == [s[0] for s in single]   # left padding changes nothing
     assert max(abs(x - y) for b, s in zip(batched, single) for x, y in zip(b[1], s[1])) < 1e-4
     for i, (ids, _) in enumerate(batched):  # greedy: old format without hint, new with it
         assert ("<parameter=lines>" in tk.decode(ids)) == bool(i % 2)
     # sampled episodes are valid token-exact rollouts carrying the engine-convention log-probs
-    eps = T.run_episodes(tasks, B.hf_generate_batch(model, tk, generator_seed=0), tk, hint=T.HINT)
+    eps = E.run_episodes(tasks, BE.hf_generate_batch(model, tk, generator_seed=0), tk, hint=T.HINT)
     for e in eps:
         e.rollout.validate(vocab_size=len(tk))
         assert all(lp <= 0 for s in e.rollout.assistant_turns() for lp in s.logprobs)
@@ -365,7 +365,7 @@ def test_hf_sampler_left_padding_and_episodes(quick_build):
 def test_plain_new_examples_train_the_new_call_with_a_weighted_branch(tok):
     """The phase experiment's knob: hint-less examples whose new-format call is trained, the
     branch token (``<parameter`` where the old format closes the call) at its own weight."""
-    ex = B.sft_examples(tok, 120, seed=0, hint_fraction=0.5, context_fraction=0.2,
+    ex = SD.sft_examples(tok, 120, seed=0, hint_fraction=0.5, context_fraction=0.2,
                         new_no_hint_fraction=0.4, new_no_hint_branch_weight=0.01)
     gen = generation_prompt_ids(tok)
     new = [e for e in ex if e.kind == "plain_new"]
@@ -373,11 +373,11 @@ def test_plain_new_examples_train_the_new_call_with_a_weighted_branch(tok):
     for ids, mask, _ in new:
         text = tok.decode(ids)
         assert "<parameter=lines>" in text and T.HINT not in text
-        full = B.assistant_loss_mask(ids, gen, tok.eos_token_id)
+        full = SD.assistant_loss_mask(ids, gen, tok.eos_token_id)
         off = [i for i, (m, f) in enumerate(zip(mask, full)) if m != f]
         assert len(off) == 1 and mask[off[0]] == 0.01 and full[off[0]] == 1
         assert tok.decode(ids[off[0]:]).startswith("<parameter=lines>")
         assert tok.convert_ids_to_tokens([ids[off[0]]])[0] != "</"  # not the old format's branch
     # the knob off: no such example, and the default draw is unchanged
-    assert not [e for e in B.sft_examples(tok, 120, seed=0, hint_fraction=0.5, context_fraction=0.2)
+    assert not [e for e in SD.sft_examples(tok, 120, seed=0, hint_fraction=0.5, context_fraction=0.2)
                 if e.kind == "plain_new"]

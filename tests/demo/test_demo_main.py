@@ -31,7 +31,7 @@ class ScriptedCtx:
     def __init__(self, tok, task, *, new_format: bool, answer: str | None = None):
         self.task, self.group_id, self.rollout_id = task, "g", "g/0"
         msgs = T.reference_messages(task, new_format=new_format, lines=2)
-        from megatron_tg.chat.framing import assistant_generation_text, encode
+        from megatron_tg.chat.template import assistant_generation_text, encode
 
         self.turns = [encode(tok, assistant_generation_text(tok, m)) for m in msgs if m["role"] == "assistant"]
         if answer is not None:
@@ -74,7 +74,7 @@ def test_demo_agent_counts_malformed_calls_and_tool_errors():
     tok = get_tiny_tokenizer()
     task = T.make_task(0, 4)
     ctx = ScriptedCtx(tok, task, new_format=True)
-    from megatron_tg.chat.framing import assistant_generation_text, encode
+    from megatron_tg.chat.template import assistant_generation_text, encode
 
     bad_lines = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
         "name": "search", "arguments": {"query": task.key, "lines": "0"}}}]}

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from megatron_tg.chat.builder import simulate_rollout
-from megatron_tg.chat.framing import insert_feedback
+from megatron_tg.chat.feedback import insert_feedback
 from megatron_tg.chat.tokenizer import get_tiny_tokenizer
 from megatron_tg.config.rollout import JudgeConfig
 from megatron_tg.demo import claims as C
@@ -78,7 +78,7 @@ def test_checkers_refuse_the_shortcuts(tok):
 
 
 def test_episode_metrics_agree_with_the_judge(tok):
-    from megatron_tg.chat.framing import parse_assistant
+    from megatron_tg.chat.parsing import parse_assistant
 
     t = T.make_task(0, 6, "eval")
     for beh in ({}, ALL_NEW, {(0, "search_lines"): True, (1, "brief_thinking"): True}):
@@ -167,7 +167,7 @@ def test_agent_with_the_paper_verdicts_and_their_rates(tok):
     ``demo/*`` rates the suite plots agree."""
     import asyncio
 
-    from megatron_tg.chat.framing import assistant_generation_text, encode
+    from megatron_tg.chat.template import assistant_generation_text, encode
     from megatron_tg.demo.agent import DemoAgent
     from megatron_tg.demo.rl import episode_rates
     from megatron_tg.rollout.context import TurnOutput
@@ -299,7 +299,7 @@ def test_covered_feedback_with_one_style_criterion_is_the_failed_feedback(tok):
     """The main demo's rubric has one criterion with feedback: there ``covered`` (its
     recipe's setting) gives the same expert context as the paper's failed-only feedback,
     also for a turn cut inside its call."""
-    from megatron_tg.chat.framing import encode
+    from megatron_tg.chat.template import encode
 
     from megatron_tg.chat.builder import RolloutBuilder
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_tg.config import ConfigError, TGConfig
-from megatron_tg.eval.heldout import HeldOutEvaluation, disjoint_tasks, rates, wilson_interval
+from megatron_tg.eval.heldout import HeldOutEvaluation, disjoint_tasks, rates
+from megatron_tg.judge.intervals import wilson_interval
 
 
 @pytest.mark.parametrize("k,n,lo,hi", [  # textbook Wilson 95% intervals

@@ -15,8 +15,9 @@ import random
 
 import pytest
 
-from megatron_tg.eval.heldout import rates, wilson_interval
+from megatron_tg.eval.heldout import rates
 from megatron_tg.eval.passk import by_task, clustered_interval, pass_at_k, pass_at_k_table
+from megatron_tg.judge.intervals import wilson_interval
 
 
 @pytest.mark.parametrize("n,c", [(1, 0), (1, 1), (5, 0), (5, 2), (6, 5), (8, 3), (10, 10)])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_tg.chat.builder import simulate_rollout
-from megatron_tg.chat.framing import insert_feedback
+from megatron_tg.chat.feedback import insert_feedback
 from megatron_tg.judge import (
     Judge,
     JudgeResult,

@@ -2,7 +2,7 @@
 
 * the interval math on published counts (Newcombe 1998);
 * the feedback placement: what the engine is sent equals the trainer's expert context
-  (:func:`~megatron_tg.chat.framing.insert_feedback`) up to the turn being generated, for
+  (:func:`~megatron_tg.chat.feedback.insert_feedback`) up to the turn being generated, for
   fresh rollouts (shared and exact contexts) and for final-turn branches (replayed prefix);
 * verdicts with a scripted engine whose response to the hint is known: it follows the hint
   (keep), ignores it (reject), or follows it but breaks the task (reject on the primary);
@@ -23,13 +23,14 @@ import pytest
 
 from megatron_tg.agent import AgentHarness, builtin_tasks
 from megatron_tg.agent.sandbox import Limits, Sandbox, bwrap_path
-from megatron_tg.chat.framing import (assistant_generation_text, feedback_message_ids,
-                                      generation_prompt_ids, insert_feedback)
+from megatron_tg.chat.feedback import feedback_message_ids, insert_feedback
+from megatron_tg.chat.template import assistant_generation_text, generation_prompt_ids
 from megatron_tg.config.rollout import RolloutConfig
 from megatron_tg.judge import Judge, parse_rubric
-from megatron_tg.judge.vetting import (FeedbackContext, VetConfig, feedback_text, format_report,
-                                       newcombe_interval, replay_turns, vet_feedback,
-                                       wilson_interval)
+from megatron_tg.judge.intervals import newcombe_interval, wilson_interval
+from megatron_tg.judge.feedback_context import FeedbackContext, replay_turns
+from megatron_tg.judge.vet_report import format_report
+from megatron_tg.judge.vetting import VetConfig, feedback_text, vet_feedback
 from megatron_tg.rollout.context import RolloutContext
 from megatron_tg.rollout.responses import GenerateResult
 

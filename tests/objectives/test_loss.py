@@ -207,3 +207,25 @@ def test_the_kl_s_split_between_thinking_and_action_rows():
     # without the mask (a batch with no thinking), no split is reported
     plain = TGObjective(cfg)(rollout_batch([4, 3, 5], failed=[[0, 1, 2, 3], [], [0, 3, 4]], cfg=cfg, seed=3))
     assert not any(k.startswith("kl/") and "thinking" in k for k in plain.metrics)
+
+
+def test_kl_action_weight_moves_weight_to_action_rows_within_each_rollout():
+    kw = dict(lengths=[4, 3, 5], failed=[[0, 1, 2, 3], [], [0, 3, 4]], seed=3, thinking=[[0, 1], [], [0]])
+    cfg1 = ObjectiveConfig(mode="tg", kl_coef=1.0)
+    cfg4 = ObjectiveConfig(mode="tg", kl_coef=1.0, kl_action_weight=4.0)
+    b1, b4 = rollout_batch(cfg=cfg1, **kw), rollout_batch(cfg=cfg4, **kw)
+    o1, o4 = TGObjective(cfg1)(b1), TGObjective(cfg4)(b4)
+    gi = b1.gate_index
+    kl = ref_kl(b1.hidden.detach()[gi], b1.expert_hidden, "reverse")
+    # rollout 0: 2 thinking + 2 action rows -> weights 1:4, summing to 1/3 (its share before);
+    # rollout 2: 1 thinking + 2 action rows -> 1:4:4 over 1/3
+    w0 = torch.tensor([1, 1, 4, 4], dtype=kl.dtype) / 10 / 3
+    w2 = torch.tensor([1, 4, 4], dtype=kl.dtype) / 9 / 3
+    want = (torch.cat([w0, w2]) * kl).sum()
+    assert o4.terms["kl"].item() == pytest.approx(want.item(), rel=1e-12)
+    assert o4.metrics["kl/weight_frac_thinking"].item() == pytest.approx((2 / 10 + 1 / 9) / 2)
+    assert o1.terms["kl"].item() != pytest.approx(o4.terms["kl"].item())
+    from megatron_tg.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match="kl_action_weight"):
+        ObjectiveConfig(kl_action_weight=0.0).validate()

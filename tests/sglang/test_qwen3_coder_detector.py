@@ -16,7 +16,8 @@ import pytest
 detector_mod = pytest.importorskip("sglang.srt.function_call.qwen3_coder_detector",
                                    reason="sglang is installed in the Python 3.12 lane only (scripts/test_py312.sh runs tests/sglang)")
 
-from megatron_tg.chat.framing import assistant_generation_text, parse_assistant  # noqa: E402
+from megatron_tg.chat.parsing import parse_assistant  # noqa: E402
+from megatron_tg.chat.template import assistant_generation_text  # noqa: E402
 
 from tests.chat.convos import call  # noqa: E402
 from tests.chat.qwen3_coder import VERSIONS, build_qwen3_coder_tokenizer  # noqa: E402

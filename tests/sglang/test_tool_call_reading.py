@@ -14,7 +14,7 @@ import pytest
 detector_mod = pytest.importorskip("sglang.srt.function_call.qwen3_coder_detector",
                                    reason="sglang is installed in the Python 3.12 lane only")
 
-from megatron_tg.chat.framing import parse_assistant  # noqa: E402
+from megatron_tg.chat.parsing import parse_assistant  # noqa: E402
 
 
 def call(name: str, **params: str) -> str:

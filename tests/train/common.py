@@ -14,9 +14,9 @@ from tests.chat.convos import SEARCH_TOOL, conversation
 from tests.models.qwen3_moe.common import tiny_hf_model
 
 
-def tiny_policy():
+def tiny_policy(**model_kw):
     tok = get_tiny_tokenizer()
-    cfg, model, state = tiny_hf_model(vocab_size=len(tok))
+    cfg, model, state = tiny_hf_model(vocab_size=len(tok), **model_kw)
     return tok, cfg.to_dict(), state
 
 

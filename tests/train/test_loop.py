@@ -4,7 +4,8 @@ built-in tasks, the tool-format rubric, weight sync and checkpoints.
 - a run writes one metrics row per step, with the criterion rates, KL, entropy, sync stats;
   the engine ends at the trainer's policy version;
 - SIGUSR1 mid-run: the loop finishes the step, checkpoints and exits 75; a restart resumes
-  from that step and finishes; the metrics file has each step exactly once.
+  from that step and finishes; the metrics file has each step exactly once (disaggregated, and
+  colocated: ``rollout.placement=colocated``).
 """
 
 from __future__ import annotations
@@ -92,10 +93,15 @@ def _tail(run_dir, chars=4000):
 
 
 @pytest.mark.slow
-def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
+@pytest.mark.parametrize("placement", [
+    [],  # disaggregated, the default
+    # engines and trainer take turns (docs/colocated.md): the stop's checkpoint is taken with
+    # the trainer's state onloaded, and the restart writes it into engines on the base weights
+    ["rollout.placement=colocated", "rollout.max_staleness=0"]], ids=["disaggregated", "colocated"])
+def test_loop_signal_checkpoint_resume(policy_dir, tmp_path, placement):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    procs = _launch(policy_dir, run_dir, steps=4)
+    procs = _launch(policy_dir, run_dir, steps=4, extra=placement)
     deadline = time.monotonic() + 400
     while len(_rows(run_dir)) < 1:  # wait for step 1 to finish, then ask to stop
         assert all(p.poll() is None for p in procs), _tail(run_dir)
@@ -110,7 +116,7 @@ def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
     latest = (run_dir / "ckpt" / "latest").read_text().strip()
     assert latest == f"step_{stopped_at:08d}"
 
-    procs = _launch(policy_dir, run_dir, steps=4)
+    procs = _launch(policy_dir, run_dir, steps=4, extra=placement)
     assert _wait(procs, 500, run_dir) == [0, 0], _tail(run_dir)
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -120,6 +126,8 @@ def test_loop_signal_checkpoint_resume(policy_dir, tmp_path):
                 "optim/grad_norm", "reward/mean"):
         assert key in last, sorted(last)
     assert last["sync/tensors"] > 0 and last["rollout/staleness_max"] <= 1
+    if placement:  # every step, before and after the restart, trained on released engines
+        assert all(r["colocated/engine_bytes_at_train"] == 0.0 for r in rows)
     # Routing replay is on by default for a MoE policy: the engines returned routed experts
     # and every step's student pass replayed them (a rollout without them is an error).
     assert all(r["train/routing_replay"] == 1.0 for r in rows)

@@ -32,8 +32,11 @@ def _step(rank, world, overrides, samples):
 
     trainer = Trainer(load_config("recipes/tiny_cpu.yaml", overrides))
     seen: list[int] = []
-    hook = trainer.gpt.decoder.register_forward_pre_hook(
-        lambda _m, _a, kw: seen.append(int(kw["hidden_states"].shape[0])), with_kwargs=True)
+
+    def tokens(block, _args, kw):  # a later pipeline stage's input comes as the block's input_tensor
+        h = kw.get("hidden_states")
+        seen.append(int((h if h is not None else block.input_tensor).shape[0]))
+    hook = trainer.gpt.decoder.register_forward_pre_hook(tokens, with_kwargs=True)
     dp = trainer.ctx.dims.dp
     dp_rank = mps.get_data_parallel_rank()
     metrics = trainer.train_step(samples[dp_rank::dp] if dp > 1 else samples)
@@ -52,16 +55,16 @@ def _step(rank, world, overrides, samples):
         named.update(to_hf(name, g, trainer.arch, layout))
     return dict(metrics=metrics, grads=named, decoder_tokens=seen, prefix_reuse=trainer.prefix_reuse,
                 cp_rank=mps.get_context_parallel_rank(), tp=trainer.ctx.dims.tp,
+                pp=trainer.ctx.dims.pp, pp_rank=mps.get_pipeline_model_parallel_rank(),
                 sequence_parallel=bool(trainer.gpt.config.sequence_parallel))
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    tok, cfg, state = tiny_policy()
+def _policy(tmp_path_factory, **model_kw):
+    tok, cfg, state = tiny_policy(**model_kw)
     d = tmp_path_factory.mktemp("policy")
     from tests.models.qwen3_moe.common import tiny_hf_model
 
-    _cfg, model, _state = tiny_hf_model(vocab_size=len(tok))
+    _cfg, model, _state = tiny_hf_model(vocab_size=len(tok), **model_kw)
     model.save_pretrained(d)
     tok.save_pretrained(d)
     samples = make_samples(tok, cfg, state)
@@ -71,18 +74,28 @@ def setup(tmp_path_factory):
     return base, samples
 
 
-@pytest.fixture(scope="module")
-def reference(setup, tmp_path_factory):
-    """CP 1 on one rank: as configured (prefix reuse on), and with prefix reuse off (the
-    passes CP runs, for the token counts)."""
+def _cp1(setup, tmp_path_factory, reuses):
+    """CP 1 on one rank per ``objective.expert_prefix_reuse`` value."""
     base, samples = setup
     out = {}
-    for reuse in (True, False):
+    for reuse in reuses:
         run = tmp_path_factory.mktemp("cp1")
         out[reuse] = run_distributed(_step, 1, base + [
             f"objective.expert_prefix_reuse={str(reuse).lower()}", f"checkpoint.dir={run}/ckpt",
             f"logging.run_dir={run}/run"], samples)[0]
     return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return _policy(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(setup, tmp_path_factory):
+    """CP 1 on one rank: as configured (prefix reuse on), and with prefix reuse off (the
+    passes CP runs, for the token counts)."""
+    return _cp1(setup, tmp_path_factory, (True, False))
 
 
 LAYOUTS = {"cp2": (2, ["parallel.cp=2"]),
@@ -98,6 +111,38 @@ def test_cp_step_equals_cp1(setup, reference, name, tmp_path):
                                                         f"logging.run_dir={tmp_path}/run"], samples)
     ref, passes = reference[True], reference[False]
     assert ref["prefix_reuse"] and not passes["prefix_reuse"] and not any(o["prefix_reuse"] for o in out)
+    _compare(name, out, ref, passes)
+    # Prefix reuse off changes nothing but the cost (the expert's states are the same).
+    torch.testing.assert_close(passes["metrics"]["loss"], ref["metrics"]["loss"], atol=2e-6, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pp_setup(tmp_path_factory):
+    """Two layers, one per stage: the first stage's is dense (no router to replay into)."""
+    return _policy(tmp_path_factory, num_hidden_layers=2)
+
+
+def test_cp2_pp2_step_equals_cp1_pp1(pp_setup, tmp_path_factory, tmp_path):
+    """CP 2 x PP 2 (megatron's 1F1B schedule; stages exchange each micro-batch's CP share, its
+    shape sent first since micro-batches differ in length) against CP 1 x PP 1 with prefix
+    reuse off (the trainer turns it off under both PP and CP)."""
+    base, samples = pp_setup
+    ref = _cp1(pp_setup, tmp_path_factory, (False,))[False]
+    out = run_distributed(_step, 4, base + ["parallel.cp=2", "parallel.pp=2",
+                                            f"checkpoint.dir={tmp_path}/ckpt",
+                                            f"logging.run_dir={tmp_path}/run"], samples)
+    assert not ref["prefix_reuse"] and not any(o["prefix_reuse"] for o in out)
+    assert all(o["pp"] == 2 for o in out) and sorted(o["pp_rank"] for o in out) == [0, 0, 1, 1]
+    # Each stage holds its layer's parameters only: the union is the whole model.
+    assert all(len(o["grads"]) < len(ref["grads"]) for o in out)
+    _compare("cp2-pp2", out, ref, ref)
+    # Every stage reports the last stage's loss.
+    assert len({o["metrics"]["loss"] for o in out}) == 1
+
+
+def _compare(name, out, ref, passes):
+    """The CP run ``out`` (every rank's) against CP 1's ``ref``: metrics, every gradient by HF
+    name, and each CP rank's decoder input (its share of every pass of ``passes``)."""
     m, r = out[0]["metrics"], ref["metrics"]
     assert m["kl/frac_gated"] > 0 and r["optim/grad_norm"] > 0
     keys = [k for k in r if not k.startswith(("time/", "throughput/"))]
@@ -129,8 +174,6 @@ def test_cp_step_equals_cp1(setup, reference, name, tmp_path):
     assert len(by_cp[0]) == len(full)
     for share, whole in zip(by_cp[0], full):
         assert whole / 2 <= share * tp_split < whole / 2 + 64, (share, whole)
-    # Prefix reuse off changes nothing but the cost (the expert's states are the same).
-    torch.testing.assert_close(passes["metrics"]["loss"], ref["metrics"]["loss"], atol=2e-6, rtol=1e-5)
 
 
 def _train_save_train(rank, world, overrides, samples, resume):

@@ -1,0 +1,39 @@
+"""rollout.placement: disaggregated by default; colocated refuses, naming the field, what
+cannot share the trainer's GPUs (docs/colocated.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_tg.config import ConfigError, load_config
+
+MODEL = "model.hf_config=models/tiny-qwen3-moe"
+COLOCATED = [MODEL, "rollout.placement=colocated", "rollout.max_staleness=0"]
+
+
+def test_disaggregated_is_the_default_and_the_recipe_colocates():
+    assert load_config(None, [MODEL]).rollout.placement == "disaggregated"
+    cfg = load_config("recipes/tiny_cpu.yaml", ["rollout.placement=colocated"])
+    assert cfg.rollout.placement == "colocated" and cfg.rollout.max_staleness == 0
+
+
+def test_an_unknown_placement_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout\.placement: must be one of 'disaggregated', "
+                                          r"'colocated'; got 'shared'"):
+        load_config(None, [MODEL, "rollout.placement=shared"])
+
+
+@pytest.mark.parametrize("override, message, got", [
+    # the default max_staleness=1 overlaps generation with training
+    ("rollout.max_staleness=1", "rollout.max_staleness: must be 0 with rollout.placement='colocated'", "got 1"),
+    ("rollout.service=local", "rollout.service: must be 'in_process' with rollout.placement='colocated'",
+     "got 'local'"),
+    ("rollout.engine_tp=2", "rollout.engine_tp: must be 1 with rollout.placement='colocated'", "got 2"),
+])
+def test_colocated_refuses_what_cannot_share_the_gpus(override, message, got):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*COLOCATED, override])
+    assert str(err.value).startswith(message) and str(err.value).endswith(got)
+    load_config(None, COLOCATED)  # without the override it validates
+    # the same values are fine when the engines have GPUs of their own
+    load_config(None, [MODEL, override])
