@@ -1,88 +1,67 @@
-"""Part 2 of the paper's claims (``docs/claims-2.md``): its numbers, measures, tests and verdicts.
+"""Part 2 of the paper's claims (``docs/claims-2.md``): its numbers, measures, seeds and provenance.
 
-Experiments S (stability against a GRPO that learns), D (the dip: hypotheses H1-H3 and a fix)
-and P (the paper's configuration per no-hint level). The bootstrap and the test kinds are
-part 1's (:mod:`.claims`), unchanged; the kinds this part adds live in :class:`Test2` so that
-part 1's rule file, whose hash its held-out record keeps, is not touched:
+The tests and verdicts of experiments S, D and P are :mod:`.claims2_verdicts`'s; the Student-t
+intervals and the test kinds :mod:`.tinterval`'s. Part 1's rule file (:mod:`.claims`) is not
+touched: its held-out record keeps its hash; only its final-rate window, its "learned" and its
+provenance helpers are used.
 
-* ``not_better`` (margin m): passes when the interval's upper end is at most m;
-* ``within`` (margin m): the point estimate lies in [-m, m] (H1's "at most m and at least -m");
-* ``falls`` (level m): the point estimate is at most m and the interval's upper end is below 0
-  (H2's ``close_falls``);
-* ``reported``: estimated and printed, decides nothing.
-
-Measures of one run come from its ``metrics.jsonl`` rows (:func:`measure`); a measure the
-rows cannot give (too few steps, an instrument off) is NaN, which fails every test using it.
+Measures of one run come from its ``metrics.jsonl`` rows (:func:`measure`). Step t's rollouts
+come from the weights after update t-1 (version t-1); the call probe logged at step s read the
+weights after update s (version s), step 0 the base's. A measure the rows cannot give (too few
+steps, an instrument off) is NaN; an onset that does not happen is None.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from megatron_tg.demo import claims as C
 
 ROOT = C.ROOT
 CLAIMS2_DOC = "docs/claims-2.md"
-RULE_FILES = (CLAIMS2_DOC, "megatron_tg/demo/claims2.py", "megatron_tg/demo/claims.py",
+RULE_FILES = (CLAIMS2_DOC, "megatron_tg/demo/claims2.py", "megatron_tg/demo/claims2_verdicts.py",
+              "megatron_tg/demo/tinterval.py", "megatron_tg/demo/claims.py",
               "megatron_tg/demo/suite2.py", "megatron_tg/demo/stability_suite.py",
               "megatron_tg/demo/dip_suite.py", "megatron_tg/demo/paper_config_suite.py",
               "recipes/demo_paper_cpu.yaml", "recipes/demo_cpu.yaml")
-"""The pre-registration, the rule code (with part 1's bootstrap), the suites' arms and recipes."""
+"""The pre-registration, the rule code (with part 1's learned/final rate), the suites' arms and recipes."""
 
 # ------------------------------------------------------------------------------ the numbers
 DEV_SEEDS = (0, 1, 2)
 HELDOUT_SEEDS = (8, 9, 10, 11, 12)
 FIX_SEEDS = (13, 14, 15, 16, 17)
 STEPS = 25
+CONFIDENCE = 0.95
+HYPOTHESIS_FAMILY = 3
 S_WRONG_ANSWER_FRACTION = 0.5
 S_BASE_SUCCESS_RANGE = (0.3, 0.7)
 S_GRPO_LEARNS, S_WORST_VS_GRPO, S_FINAL_PASS_VS_GRPO = 0.1, 0.1, 0.05
-S_WORST_VS_PLACEBO, S_LEARNED_VS_PLACEBO = 0.1, 1.0
+S_WORST_VS_PLACEBO, S_LEARNED_VS_PLACEBO, S_LEARNED_VS_GRPO = 0.1, 1.0, 1.0
+S_POWER_HALF_WIDTH = 0.1
 D_LR_LOW = 1.0e-4
-D_UPDATE_RATIO_LOG, D_LR_DIP = 0.1, 0.1
-D_CLOSE_FALLS, D_CLOSE_LEADS, D_GLOBAL_DIP = -0.5, 0.8, 0.1
+D_ACTION_WEIGHT = 4
+D_TG_DIPS, D_DIPPING_SEED, D_ONSET_DROP, D_CLOSE_ONSET_NATS = -0.15, -0.1, 0.1, 0.5
+D_LAMBDA_DIP, D_LR_DIP = 0.1, 0.1
+D_CLOSE_FALLS, D_BRANCH_RISES, D_CLOSE_LEADS, D_ACTION_X4_DIP = -0.5, 1.0, 0.8, 0.1
 D_NO_THINKING_DIP, D_THINKING_ONLY_DIPS = 0.1, 0.1
 D_FIX_DIP, D_FIX_LEARNED, D_FIX_PASS = 0.1, 0.5, 0.05
 P_LEVELS = ("1e-4", "1e-3", "1e-2")
 P_LEVEL_FACTOR = 3
 P_TG_LEARNS, P_TG_VS_GRPO, P_PASS_VS_GRPO = 0.8, 0.3, 0.05
 
-LAST, ROLLING, START_STEPS, CLOSE_STEPS, RATIO_STEPS = C.LAST, 3, 3, 25, 10
-"""Part 1's final-rate window; rolling3's window; start = pass_1..3; close fall over steps
-1..25; update ratio over steps 1..10."""
-PASS, CLOSE, UPDATE_NORM = "criteria/answer", "probe/p_close_logmean", "optim/update_norm"
-ABS_MEAN, THINK_FRAC = "optim/update_abs_mean_over_lr", "kl/weight_frac_thinking"
-
-
-# ------------------------------------------------------------------------------ test kinds
-@dataclass(frozen=True)
-class Test2(C.Test):
-    def rule(self) -> str:
-        extra = {"not_better": f"interval high <= {self.margin:g}",
-                 "within": f"{-self.margin:g} <= estimate <= {self.margin:g}",
-                 "falls": f"<= {self.margin:g} and interval high < 0", "reported": "reported, decides nothing"}
-        return extra[self.kind] if self.kind in extra else super().rule()
-
-    def evaluate(self, n: int, **bootstrap: Any) -> dict[str, Any]:
-        if self.kind not in ("not_better", "within", "falls", "reported"):
-            return super().evaluate(n, **bootstrap)
-        point = self.stat(list(range(n))) if n else math.nan
-        lo, hi = C.bootstrap_interval(self.stat, n, **bootstrap)
-        if self.kind == "reported":
-            ok = None
-        elif point != point or lo != lo:
-            ok = False
-        elif self.kind == "not_better":
-            ok = hi <= self.margin
-        elif self.kind == "within":
-            ok = -self.margin <= point <= self.margin
-        else:
-            ok = point <= self.margin and hi < 0
-        return {"what": self.what, "rule": self.rule(), "estimate": point, "interval": [lo, hi],
-                "passed": ok if ok is None else bool(ok)}
+HYPOTHESIS_CONFIDENCE = 1 - (1 - CONFIDENCE) / HYPOTHESIS_FAMILY
+"""1 - 0.05/3: the confidence of the tests that decide H1-H3 (one family per hypothesis)."""
+LAST, ROLLING, PROBE_VERSIONS, RATIO_STEPS = C.LAST, 3, 25, 10
+"""Part 1's final-rate window; rolling3's window; close fall, close onset and branch rise over
+versions 1..25; update ratio over steps 1..10."""
+PASS, CLOSE, BRANCH = "criteria/answer", "probe/p_close_logmean", "probe/p_branch_logmean"
+UPDATE_NORM, ABS_MEAN = "optim/update_norm", "optim/update_abs_mean_over_lr"
+WEIGHT_THINK, GATED_THINK = "kl/weight_frac_thinking", "kl/frac_gated_thinking"
+TO_DIP = {"abs_mean_over_lr_to_dip": ABS_MEAN, "weight_frac_thinking_to_dip": WEIGHT_THINK,
+          "frac_gated_thinking_to_dip": GATED_THINK}
+"""Measure -> the metric averaged over steps 1..t* (reported in H1 and H2)."""
 
 
 # ------------------------------------------------------------------------------ measures
@@ -107,23 +86,32 @@ def rolling3(pas: Mapping[int, float]) -> dict[int, float]:
 
 
 def dip_measures(pas: Mapping[int, float]) -> dict[str, Any]:
-    """start, dip, dip step t* (first t of the minimum) and worst from pass_t (t >= 1)."""
+    """start (pass_1), dip, dip step t* (first t of the minimum), worst and the pass onset
+    s_p (version t_p - 1 of the first t_p >= 2 with pass <= start - 0.1; None if none)."""
     roll = rolling3(pas)
-    if not all(t in pas for t in range(1, START_STEPS + 1)) or not roll:
-        return {"start": math.nan, "dip": math.nan, "dip_step": None, "worst": math.nan}
-    start = _mean([pas[t] for t in range(1, START_STEPS + 1)])
-    worst = min(roll.values())
+    if 1 not in pas or not roll:
+        return {"start": math.nan, "dip": math.nan, "dip_step": None, "worst": math.nan, "pass_onset": None}
+    start, worst = pas[1], min(roll.values())
+    onset = next((t - 1 for t in sorted(pas) if t >= 2 and pas[t] <= start - D_ONSET_DROP), None)
     return {"start": start, "dip": worst - start, "dip_step": min(t for t, v in roll.items() if v == worst),
-            "worst": worst}
+            "worst": worst, "pass_onset": onset}
 
 
-def close_fall(close: Mapping[int, float], steps: int = CLOSE_STEPS) -> tuple[float, int | None]:
-    """(min over steps 1..steps of the close log-mean minus its step-0 value, that step)."""
-    after = {t: v for t, v in close.items() if 1 <= t <= steps}
-    if 0 not in close or not after:
-        return math.nan, None
-    low = min(after.values())
-    return low - close[0], min(t for t, v in after.items() if v == low)
+def probe_change(series: Mapping[int, float], versions: int = PROBE_VERSIONS) -> dict[str, float]:
+    """{min, max}: the extreme of the probe over versions 1..versions minus version 0's (NaN
+    without version 0 or any later one)."""
+    after = [v for s, v in series.items() if 1 <= s <= versions]
+    if 0 not in series or not after:
+        return {"min": math.nan, "max": math.nan}
+    return {"min": min(after) - series[0], "max": max(after) - series[0]}
+
+
+def close_onset(close: Mapping[int, float], versions: int = PROBE_VERSIONS) -> int | None:
+    """The first version in 1..versions whose close log-mean is 0.5 nats or more below version 0's."""
+    if 0 not in close:
+        return None
+    return next((s for s in sorted(close) if 1 <= s <= versions and close[s] <= close[0] - D_CLOSE_ONSET_NATS),
+                None)
 
 
 def final(series: Mapping[int, float], last: int = LAST) -> float:
@@ -136,17 +124,17 @@ def measure(rows: Sequence[Mapping[str, Any]], criteria: Sequence[str]) -> dict[
     (``criteria/<name>``)."""
     pas = {t: v for t, v in by_step(rows, PASS).items() if t >= 1}
     d = dip_measures(pas)
-    fall, fall_step = close_fall(by_step(rows, CLOSE))
+    close = by_step(rows, CLOSE)
     upto = d["dip_step"]
 
     def mean_to_dip(key: str) -> float:
         s = by_step(rows, key)
         return _mean([v for t, v in s.items() if upto is not None and 1 <= t <= upto])
     return {**d, "pass": final(pas), "final": {c: final(by_step(rows, f"criteria/{c}")) for c in criteria},
-            "close_fall": fall, "close_fall_step": fall_step,
+            "close_fall": probe_change(close)["min"], "close_onset": close_onset(close),
+            "branch_rise": probe_change(by_step(rows, BRANCH))["max"],
             "update_norm": {str(t): v for t, v in by_step(rows, UPDATE_NORM).items()},
-            "abs_mean_over_lr_to_dip": mean_to_dip(ABS_MEAN), "weight_frac_thinking_to_dip": mean_to_dip(THINK_FRAC),
-            "steps": len(pas)}
+            **{k: mean_to_dip(key) for k, key in TO_DIP.items()}, "steps": len(pas)}
 
 
 def update_ratio(a: Mapping[str, Any], b: Mapping[str, Any], steps: int = RATIO_STEPS) -> float:
@@ -159,155 +147,27 @@ def update_ratio(a: Mapping[str, Any], b: Mapping[str, Any], steps: int = RATIO_
 
 
 def learned(x: Mapping[str, Any], style: Sequence[str]) -> float:
-    """Style criteria learned (part 1's: final rate >= :data:`.claims.LEARNED`)."""
-    return float(C.learned({c: x["final"][c] for c in style}))
+    """Style criteria learned (part 1's: final rate >= :data:`.claims.LEARNED`); NaN when a
+    final rate is missing."""
+    rates = {c: x["final"][c] for c in style}
+    return math.nan if any(v != v for v in rates.values()) else float(C.learned(rates))
 
 
-def _log(v: float) -> float:
-    return math.log(v) if v == v and v > 0 else math.nan
+def dips(x: Mapping[str, Any]) -> bool | None:
+    """Whether a tg run is a dipping seed (dip <= -0.1); None when its dip is unmeasured."""
+    return None if x["dip"] != x["dip"] else x["dip"] <= D_DIPPING_SEED
 
 
 def leads(x: Mapping[str, Any]) -> float:
-    """1 when the close fall's step is at or before the dip step, 0 after; NaN unmeasured."""
-    if x["close_fall_step"] is None or x["dip_step"] is None:
+    """1 when the close onset is strictly before the pass onset (s_c < s_p), 0 when not or
+    when there is no close onset; NaN when the probe or the pass rate is unmeasured."""
+    if x["close_fall"] != x["close_fall"] or x["dip"] != x["dip"]:
         return math.nan
-    return float(x["close_fall_step"] <= x["dip_step"])
-
-
-# ------------------------------------------------------------------------------ the tests
-def _per(xs: Sequence[Mapping[str, Any]], f: Callable[[Mapping[str, Any]], float]) -> list[float]:
-    return [float(f(x)) for x in xs]
-
-
-def _diff(a: Sequence[float], b: Sequence[float]) -> list[float]:
-    return [x - y for x, y in zip(a, b)]
-
-
-def _nseeds(m: Mapping[str, Sequence[Any]]) -> int:
-    n = {len(v) for v in m.values()}
-    if len(n) != 1:
-        raise ValueError(f"every arm needs the same seeds; got seed counts {sorted(n)}")
-    return n.pop()
-
-
-def _evaluate(ts: Sequence[Test2], n: int, **bootstrap: Any) -> dict[str, dict[str, Any]]:
-    return {t.name: t.evaluate(n, **bootstrap) for t in ts}
-
-
-def stability(m: Mapping[str, Sequence[Mapping[str, Any]]], style: Sequence[str],
-              **bootstrap: Any) -> dict[str, dict[str, Any]]:
-    """Experiment S: claim -> {"verdict", "decides", "tests"} (``m``: arm -> per-seed measures)."""
-    g = m["grpo"]
-    worst = {a: _per(m[a], lambda x: x["worst"]) for a in ("grpo", "tg", "placebo")}
-    fin = {a: _per(m[a], lambda x: x["pass"]) for a in ("grpo", "tg")}
-    lrn = {a: _per(m[a], lambda x: learned(x, style)) for a in ("tg", "placebo")}
-    ts = [Test2("grpo_learns", "final pass - start, grpo", "greater", S_GRPO_LEARNS,
-                C.paired(_diff(fin["grpo"], _per(g, lambda x: x["start"])))),
-          Test2("worst_vs_grpo", "worst rolling3 pass, tg - grpo", "not_worse", S_WORST_VS_GRPO,
-                C.paired(_diff(worst["tg"], worst["grpo"]))),
-          Test2("final_pass_vs_grpo", "final pass, tg - grpo", "not_worse", S_FINAL_PASS_VS_GRPO,
-                C.paired(_diff(fin["tg"], fin["grpo"]))),
-          Test2("worst_vs_placebo", "worst rolling3 pass, tg - placebo", "not_worse", S_WORST_VS_PLACEBO,
-                C.paired(_diff(worst["tg"], worst["placebo"]))),
-          Test2("learned_vs_placebo", "style criteria learned, tg - placebo", "greater", S_LEARNED_VS_PLACEBO,
-                C.paired(_diff(lrn["tg"], lrn["placebo"])))]
-    ev = _evaluate(ts, _nseeds(m), **bootstrap)
-    ok = {k: v["passed"] for k, v in ev.items()}
-    if not ok["grpo_learns"]:
-        nd = "decides nothing (against a GRPO that did not learn)"
-    else:
-        nd = "reproduced" if ok["worst_vs_grpo"] and ok["final_pass_vs_grpo"] else "NOT reproduced"
-    return {"no_degradation": {"verdict": nd, "decides": ["grpo_learns", "worst_vs_grpo", "final_pass_vs_grpo"],
-                               "tests": {k: ev[k] for k in ("grpo_learns", "worst_vs_grpo", "final_pass_vs_grpo")}},
-            "from_feedback": {"verdict": "reproduced" if ok["learned_vs_placebo"] else "NOT reproduced",
-                              "decides": ["learned_vs_placebo"],
-                              "tests": {k: ev[k] for k in ("learned_vs_placebo", "worst_vs_placebo")}}}
-
-
-def dip(m: Mapping[str, Sequence[Mapping[str, Any]]], style: Sequence[str],
-        **bootstrap: Any) -> dict[str, dict[str, Any]]:
-    """Experiment D: hypothesis (and ``fix`` when ``m`` has a ``tg_fix`` arm) -> verdict and tests."""
-    n = _nseeds(m)
-    tg = m["tg"]
-    dp = {a: _per(xs, lambda x: x["dip"]) for a, xs in m.items()}
-    h1 = _evaluate([
-        Test2("update_ratio_lambda", f"log of the mean update-norm ratio over steps 1..{RATIO_STEPS}, "
-              "lambda_10 / tg", "within", D_UPDATE_RATIO_LOG,
-              C.paired([_log(update_ratio(a, b)) for a, b in zip(m["lambda_10"], tg)])),
-        Test2("lr_dip", "dip, lr_low - tg", "greater", D_LR_DIP, C.paired(_diff(dp["lr_low"], dp["tg"]))),
-        Test2("abs_mean_over_lr", "tg's mean update_abs_mean_over_lr over steps 1..t*", "reported", 0.0,
-              C.paired(_per(tg, lambda x: x["abs_mean_over_lr_to_dip"])))], n, **bootstrap)
-    h2 = _evaluate([
-        Test2("close_falls", f"tg's close fall (min over steps 1..{CLOSE_STEPS} of p_close_logmean "
-              "minus step 0, nats)", "falls", D_CLOSE_FALLS, C.paired(_per(tg, lambda x: x["close_fall"]))),
-        Test2("close_leads", "fraction of seeds whose close-fall step is at or before tg's dip step",
-              "at_least", D_CLOSE_LEADS, C.paired(_per(tg, leads))),
-        Test2("global_dip", "dip, norm_global - tg", "greater", D_GLOBAL_DIP,
-              C.paired(_diff(dp["norm_global"], dp["tg"])))], n, **bootstrap)
-    h3 = _evaluate([
-        Test2("no_thinking_dip", "dip, no_thinking - tg", "greater", D_NO_THINKING_DIP,
-              C.paired(_diff(dp["no_thinking"], dp["tg"]))),
-        Test2("thinking_only_dips", "dip, thinking_only - tg", "not_better", D_THINKING_ONLY_DIPS,
-              C.paired(_diff(dp["thinking_only"], dp["tg"]))),
-        Test2("weight_frac_thinking", "tg's mean kl/weight_frac_thinking over steps 1..t*", "reported", 0.0,
-              C.paired(_per(tg, lambda x: x["weight_frac_thinking_to_dip"])))], n, **bootstrap)
-
-    def both(ev: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> str:
-        return "confirmed" if all(ev[k]["passed"] for k in names) else "refuted"
-    if not (h2["close_falls"]["passed"] and h2["close_leads"]["passed"]):
-        v2 = "refuted"
-    else:
-        v2 = "confirmed" if h2["global_dip"]["passed"] else \
-            "seen (the probability falls, first) but not removed by the normalisation"
-    out = {"H1": {"verdict": both(h1, ("update_ratio_lambda", "lr_dip")), "decides": ["update_ratio_lambda", "lr_dip"],
-                  "tests": h1},
-           "H2": {"verdict": v2, "decides": ["close_falls", "close_leads", "global_dip"], "tests": h2},
-           "H3": {"verdict": both(h3, ("no_thinking_dip", "thinking_only_dips")),
-                  "decides": ["no_thinking_dip", "thinking_only_dips"], "tests": h3}}
-    if "tg_fix" in m:
-        pas = {a: _per(m[a], lambda x: x["pass"]) for a in ("tg", "tg_fix")}
-        lrn = {a: _per(m[a], lambda x: learned(x, style)) for a in ("tg", "tg_fix")}
-        fx = _evaluate([
-            Test2("fix_dip", "dip, tg_fix - tg", "greater", D_FIX_DIP, C.paired(_diff(dp["tg_fix"], dp["tg"]))),
-            Test2("fix_learned", "style criteria learned, tg_fix - tg", "not_worse", D_FIX_LEARNED,
-                  C.paired(_diff(lrn["tg_fix"], lrn["tg"]))),
-            Test2("fix_pass", "final pass, tg_fix - tg", "not_worse", D_FIX_PASS,
-                  C.paired(_diff(pas["tg_fix"], pas["tg"])))], n, **bootstrap)
-        out["fix"] = {"verdict": "validated" if all(v["passed"] for v in fx.values()) else "NOT validated",
-                      "decides": list(fx), "tests": fx}
-    return out
-
-
-def paper_config(m: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
-                 **bootstrap: Any) -> dict[str, Any]:
-    """Experiment P (``m``: level -> arm -> per-seed measures): per level its verdict and tests,
-    and the phase boundary."""
-    levels: dict[str, dict[str, Any]] = {}
-    for lvl, arms in m.items():
-        tg, g = arms["paper_tg"], arms["grpo"]
-        sl = {a: _per(x, lambda r: r["final"]["search_lines"]) for a, x in (("tg", tg), ("grpo", g))}
-        ev = _evaluate([
-            Test2(f"tg_learns_{lvl}", "paper_tg's final search_lines", "at_least", P_TG_LEARNS, C.paired(sl["tg"])),
-            Test2(f"tg_vs_grpo_{lvl}", "final search_lines, paper_tg - grpo", "greater", P_TG_VS_GRPO,
-                  C.paired(_diff(sl["tg"], sl["grpo"]))),
-            Test2(f"pass_vs_grpo_{lvl}", "final pass, paper_tg - grpo", "not_worse", P_PASS_VS_GRPO,
-                  C.paired(_diff(_per(tg, lambda r: r["pass"]), _per(g, lambda r: r["pass"]))))],
-            _nseeds(arms), **bootstrap)
-        ok = all(v["passed"] for v in ev.values())
-        levels[lvl] = {"verdict": "reproduced" if ok else "NOT reproduced", "decides": list(ev), "tests": ev}
-    return {"levels": levels, "boundary": boundary({k: v["verdict"] == "reproduced" for k, v in levels.items()})}
-
-
-def boundary(reproduced: Mapping[str, bool]) -> str:
-    """The lowest level reproduced with every higher level reproduced too; when the levels
-    disagree with that order, each level's verdict."""
-    order = sorted(reproduced, key=float)
-    flags = [reproduced[k] for k in order]
-    if any(a and not b for a, b in zip(flags, flags[1:])):
-        return "levels out of order: " + ", ".join(f"{k} {'reproduced' if reproduced[k] else 'NOT reproduced'}"
-                                                   for k in order)
-    lowest = next((k for k, f in zip(order, flags) if f), None)
-    return f"phase boundary at {lowest}" if lowest else "reproduced at no level"
+    if x["close_onset"] is None:
+        return 0.0
+    if x["pass_onset"] is None:  # the task never fails by 0.1: nothing to lead (not a dipping seed)
+        return math.nan
+    return float(x["close_onset"] < x["pass_onset"])
 
 
 # ------------------------------------------------------------------------------ seeds, provenance

@@ -119,6 +119,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "rules: docs/claims.md); stability, dip, paper_config: experiments S, D "
                          "and P of docs/claims-2.md (default seeds: its held-out 8-12; "
                          "--seeds 0,1,2 for the development ones)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="--suite stability/dip/paper_config: build the base(s) only and write "
+                         "their build hashes and metrics to docs/results/claims2-<suite>-base.json, "
+                         "to be committed before any RL run from them (docs/claims-2.md)")
     ap.add_argument("--phase-base", choices=("full", "quick"), default="full",
                     help="--suite phase: the base models' SFT size (full: the default build, "
                          "whose no-hint probability is ~1e-6; quick: the --quick build's)")
@@ -157,6 +161,8 @@ def _bad_arguments(a: argparse.Namespace) -> str | None:
     if getattr(a, "suite", "main") in PART2_SUITES and (getattr(a, "full", False) or a.quick or a.no_compare):
         return (f"--suite {a.suite} has its own fixed runs: drop --full/--quick/--no-compare "
                 "(--seeds/--steps set their number and length)")
+    if getattr(a, "build_only", False) and getattr(a, "suite", "main") not in PART2_SUITES:
+        return f"--build-only is for --suite {'/'.join(PART2_SUITES)}"
     if not Path(a.recipe).is_file():
         return f"--recipe {a.recipe}: no such file"
     return None

@@ -50,24 +50,77 @@ def recipe_for(a, default: Path) -> Path:
 
 
 FIX_REFUSED = 2
-"""Exit status of a call on the fix seeds, which no fix is yet defined for."""
+"""Exit status of a call on the fix seeds that may not run there."""
+BASE_UNRECORDED = 4
+"""Exit status when a base's build hash is not recorded (committed) in ``docs/results/``."""
+RESULTS = "docs/results"
 
 
-def refuse_fix_seeds(a, log) -> int | None:
-    """The fix seeds validate a fix designed after the held-out tests (an amendment with its
-    ``tg_fix`` arm); none is defined, so no suite spends them: :data:`FIX_REFUSED`, else None."""
-    if a.seeds and set(a.seeds) & set(K.FIX_SEEDS):
-        log(f"seeds {','.join(map(str, K.FIX_SEEDS))} are kept for validating a fix, and "
-            f"{K.CLAIMS2_DOC} defines none (no tg_fix arm): not run")
+def refuse_fix_seeds(a, log, allowed: bool = False) -> int | None:
+    """The fix seeds validate the fix (experiment D's ``tg_fix``, on exactly those seeds):
+    any other use of them is refused with :data:`FIX_REFUSED`, else None."""
+    if a.seeds and set(a.seeds) & set(K.FIX_SEEDS) and not (allowed and tuple(a.seeds) == K.FIX_SEEDS):
+        log(f"seeds {','.join(map(str, K.FIX_SEEDS))} are kept for validating the fix (--suite dip "
+            f"--seeds {','.join(map(str, K.FIX_SEEDS))}, after its held-out call): not run")
         return FIX_REFUSED
     return None
+
+
+def base_record_path(suite: str, root: Path = ROOT) -> Path:
+    return root / RESULTS / f"claims2-{suite}-base.json"
+
+
+def write_base_record(suite: str, bases: Mapping[str, Mapping[str, Any]], log, root: Path = ROOT) -> Path:
+    """The build-only step's output: each base's build hash and measured metrics, written to
+    ``docs/results/claims2-<suite>-base.json`` to be committed before any RL run from them."""
+    from megatron_tg.demo.runs import _write_atomic
+
+    path = base_record_path(suite, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rec = {"suite": suite, "bases": {k: {x: v for x, v in b.items() if isinstance(v, (int, float, str))
+                                         and x != "cached"} for k, b in bases.items()}}
+    _write_atomic(path, json.dumps(rec, indent=2, sort_keys=True, default=float) + "\n")
+    hashes = ", ".join(f"{k} {b['build_hash'][:16]}" for k, b in bases.items())
+    log(f"base record -> {path}: commit it before any RL run from these bases ({hashes})")
+    return path
+
+
+def recorded(build_hash: str, root: Path = ROOT) -> bool | None:
+    """Whether the hash is in a file under ``docs/results/`` as committed at HEAD (None
+    without git)."""
+    import subprocess
+
+    try:
+        r = subprocess.run(["git", "-C", str(root), "grep", "-q", "-F", build_hash, "HEAD", "--", RESULTS],
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return True if r.returncode == 0 else False if r.returncode == 1 else None
+
+
+def bases_recorded(bases: Mapping[str, Mapping[str, Any]], log, enforce: bool = True,
+                   root: Path = ROOT) -> bool:
+    """The rule that bases are fixed before any RL run on them, development runs included:
+    False (refuse) when a base's hash is not committed under ``docs/results/``; ``enforce``
+    False (tests' tiny bases only) turns the refusal into a warning."""
+    missing = [f"{k} {b['build_hash'][:16]}" for k, b in bases.items() if recorded(b["build_hash"], root) is not True]
+    if not missing:
+        log("bases recorded in " + RESULTS + ": " + ", ".join(f"{k} {b['build_hash'][:16]}" for k, b in bases.items()))
+        return True
+    what = (f"base build hash not committed under {RESULTS}: {', '.join(missing)} (run the suite with "
+            f"--build-only, commit its record, then run)")
+    if enforce:
+        log(f"REFUSED: {what}; no RL run is made")
+        return False
+    log(f"WARNING: {what} (not enforced: a test's base)")
+    return True
 
 
 def start(a, log, suite: str) -> dict[str, Any]:
     """Seeds, steps, their label and the provenance, logged before anything runs."""
     seeds = tuple(a.seeds) if a.seeds else K.HELDOUT_SEEDS
     steps = a.steps or K.STEPS
-    kind = K.seed_set(seeds, steps)
+    kind = K.seed_set(seeds, steps, K.FIX_SEEDS if seeds == K.FIX_SEEDS else K.HELDOUT_SEEDS)
     prov = K.provenance()
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -103,15 +156,21 @@ def _f(x: Any, fmt: str = "+.3f") -> str:
 
 def seed_table(m: Mapping[str, Sequence[Mapping[str, Any]]], seeds: Sequence[int],
                style: Sequence[str] = ()) -> str:
-    """Per arm and seed: start, dip, t*, worst, final pass, learned, close fall and its step."""
-    lines = [f"{'run':<14} {'seed':>4} {'start':>6} {'dip':>7} {'t*':>3} {'worst':>6} {'final':>6} "
-             f"{'learned':>7} {'close fall':>10} {'at':>3}"]
+    """Per arm and seed: start (pass_1), dip, t*, worst, final pass, learned, pass onset s_p,
+    and the probe's close fall, close onset s_c and branch rise (versions)."""
+    lines = [f"{'run':<16} {'seed':>4} {'start':>6} {'dip':>7} {'t*':>3} {'worst':>6} {'final':>6} "
+             f"{'learned':>7} {'s_p':>3} {'close fall':>10} {'s_c':>3} {'branch rise':>11}"]
     for arm, xs in m.items():
         for s, x in zip(seeds, xs):
             lrn = _f(K.learned(x, style), ".0f") if style else "-"
-            lines.append(f"{arm:<14} {s:>4} {_f(x['start'], '.3f'):>6} {_f(x['dip']):>7} "
+            lines.append(f"{arm:<16} {s:>4} {_f(x['start'], '.3f'):>6} {_f(x['dip']):>7} "
                          f"{_f(x['dip_step'], 'd'):>3} {_f(x['worst'], '.3f'):>6} {_f(x['pass'], '.3f'):>6} "
-                         f"{lrn:>7} {_f(x['close_fall']):>10} {_f(x['close_fall_step'], 'd'):>3}")
+                         f"{lrn:>7} {_f(x['pass_onset'], 'd'):>3} {_f(x['close_fall']):>10} "
+                         f"{_f(x['close_onset'], 'd'):>3} {_f(x['branch_rise']):>11}")
+    starts = {s: {x["start"] for x in (xs[i] for xs in m.values())} for i, s in enumerate(seeds)}
+    differ = [str(s) for s, v in starts.items() if len(v) > 1]
+    lines.append("start (pass_1) shared by each seed's arms: " + (
+        "yes" if not differ else f"NO on seeds {','.join(differ)} (each arm's own pass_1 is its start)"))
     return "\n".join(lines)
 
 
@@ -123,8 +182,8 @@ def verdict_lines(c: Mapping[str, Mapping[str, Any]]) -> list[str]:
         out.append(f"{k:<16} {v['verdict']}")
         for name, t in v["tests"].items():
             lo, hi = t["interval"]
-            res = ("reported" if t["passed"] is None else "passes" if t["passed"] else "FAILS")
-            tag = "" if name in v["decides"] or t["passed"] is None else "  [reported, decides nothing]"
+            res = t["status"]
+            tag = "" if name in v["decides"] or res == "reported" else "  [reported, decides nothing]"
             out.append(f"    {name:<22} {_f(t['estimate'])} [{_f(lo)}, {_f(hi)}]  rule {t['rule']}: "
                        f"{res}  ({t['what']}){tag}")
     return out
@@ -143,6 +202,10 @@ def amendment(first: Mapping[str, Any] | None, now: Mapping[str, Any]) -> dict[s
             "first_verdicts": {k: v["verdict"] for k, v in first["verdicts"].items()}}
 
 
+FIRST = {False: "heldout_first.json", True: "fix_first.json"}
+"""The first verdicts of a held-out call and of the fix's call (first write wins)."""
+
+
 def finish(ctx: Mapping[str, Any], name: str, verdicts: Mapping[str, Mapping[str, Any]],
            extra: Mapping[str, Any], table: str, wall: float, footer: Sequence[str] = ()) -> int:
     """Write ``OUT/<name>.json`` (and, on a held-out call, the first held-out record), print
@@ -154,7 +217,7 @@ def finish(ctx: Mapping[str, Any], name: str, verdicts: Mapping[str, Mapping[str
               "provenance": prov, "verdicts": verdicts}
     amended = None
     if ctx["kind"].startswith(("held-out", "fix seeds")):
-        first_path = out / "heldout_first.json"
+        first_path = out / FIRST[ctx["kind"].startswith("fix seeds")]
         try:
             first = json.loads(first_path.read_text())
         except (OSError, ValueError):
@@ -163,13 +226,15 @@ def finish(ctx: Mapping[str, Any], name: str, verdicts: Mapping[str, Mapping[str
         amended = amendment(first, prov)
     _write_atomic(out / f"{name}.json", json.dumps({
         **record, "wall_seconds": round(wall, 1), "amended_after_heldout": amended,
-        "bootstrap": {"resamples": C.BOOTSTRAP, "seed": C.BOOTSTRAP_SEED, "confidence": C.CONFIDENCE},
+        "intervals": {"kind": "Student-t over seeds, df = seeds - 1", "confidence": K.CONFIDENCE,
+                      "hypothesis_confidence": K.HYPOTHESIS_CONFIDENCE},
         **extra}, indent=2, default=float) + "\n")
     print()
     print(table)
     print()
     print(f"seeds {','.join(map(str, ctx['seeds']))}, {ctx['steps']} steps: {ctx['kind']}; interval: "
-          f"{C.CONFIDENCE:.0%} bootstrap over seeds ({C.BOOTSTRAP} resamples, seed {C.BOOTSTRAP_SEED})")
+          f"Student-t intervals over seeds (df = seeds - 1), {K.CONFIDENCE:.0%}; "
+          f"{K.HYPOTHESIS_CONFIDENCE:.1%} for the tests that decide H1-H3")
     for line in K.provenance_lines(prov):
         print(line)
     if amended:
