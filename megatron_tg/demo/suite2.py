@@ -66,11 +66,11 @@ def refuse_fix_seeds(a, log, allowed: bool = False) -> int | None:
     return None
 
 
-def base_record_path(suite: str, root: Path = ROOT) -> Path:
-    return root / RESULTS / f"claims2-{suite}-base.json"
+def base_record_path(suite: str, root: Path | None = None) -> Path:
+    return Path(root or ROOT) / RESULTS / f"claims2-{suite}-base.json"
 
 
-def write_base_record(suite: str, bases: Mapping[str, Mapping[str, Any]], log, root: Path = ROOT) -> Path:
+def write_base_record(suite: str, bases: Mapping[str, Mapping[str, Any]], log, root: Path | None = None) -> Path:
     """The build-only step's output: each base's build hash and measured metrics, written to
     ``docs/results/claims2-<suite>-base.json`` to be committed before any RL run from them."""
     from megatron_tg.demo.runs import _write_atomic
@@ -85,13 +85,13 @@ def write_base_record(suite: str, bases: Mapping[str, Mapping[str, Any]], log, r
     return path
 
 
-def recorded(build_hash: str, root: Path = ROOT) -> bool | None:
+def recorded(build_hash: str, root: Path | None = None) -> bool | None:
     """Whether the hash is in a file under ``docs/results/`` as committed at HEAD (None
     without git)."""
     import subprocess
 
     try:
-        r = subprocess.run(["git", "-C", str(root), "grep", "-q", "-F", build_hash, "HEAD", "--", RESULTS],
+        r = subprocess.run(["git", "-C", str(root or ROOT), "grep", "-q", "-F", build_hash, "HEAD", "--", RESULTS],
                            capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -99,7 +99,7 @@ def recorded(build_hash: str, root: Path = ROOT) -> bool | None:
 
 
 def bases_recorded(bases: Mapping[str, Mapping[str, Any]], log, enforce: bool = True,
-                   root: Path = ROOT) -> bool:
+                   root: Path | None = None) -> bool:
     """The rule that bases are fixed before any RL run on them, development runs included:
     False (refuse) when a base's hash is not committed under ``docs/results/``; ``enforce``
     False (tests' tiny bases only) turns the refusal into a warning."""
