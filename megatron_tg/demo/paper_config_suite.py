@@ -11,7 +11,7 @@ builds the three and writes their build hashes and metrics to
 hash is not committed there is refused (exit 4). On each level,
 per seed, 25 steps of ``recipes/demo_cpu.yaml`` (the main demo's reward): ``grpo``, and
 ``paper_tg`` (reverse KL, the shared expert, the failed criteria as feedback, no sampling with
-the hint). The verdicts per level and the phase boundary are :func:`.claims2.paper_config`'s;
+the hint). The verdicts per level and the phase boundary are :func:`.claims2_verdicts.paper_config`'s;
 the output is ``OUT/paper_config.json``, each level's runs under ``OUT/p<level>/``. The report
 says that ``paper_tg`` is the paper's objective under the demo's optimizer.
 """

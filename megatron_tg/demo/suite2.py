@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from megatron_tg.demo import claims as C
 from megatron_tg.demo import claims2 as K
 
 ROOT = K.ROOT
