@@ -75,6 +75,9 @@ def run(a, py: str, log, base_overrides: Mapping[str, Any] | None = None, requir
     refused = U.refuse_fix_seeds(a, log, allowed=True)
     if refused is not None:
         return refused
+    if a.seeds and tuple(a.seeds) == K.FIX_SEEDS and (a.steps or K.STEPS) != K.STEPS:
+        log(f"the fix runs once, at the pre-registered {K.STEPS} steps: --steps {a.steps} on the fix seeds is not run")
+        return U.FIX_REFUSED
     ctx = U.start(a, log, "dip (experiment D)")
     out, seeds, t0 = ctx["out"], ctx["seeds"], time.perf_counter()
     runs, fixing = RUNS, seeds == K.FIX_SEEDS

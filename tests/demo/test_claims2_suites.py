@@ -107,6 +107,8 @@ def test_the_fix_needs_the_held_out_record_and_a_confirmed_h1_or_h2(fake, tmp_pa
     said = []
     assert DS.run(args(tmp_path, seeds=K.FIX_SEEDS), "python", said.append) == U.FIX_REFUSED
     assert "no held-out dip record" in said[-1] and not fake
+    assert DS.run(args(tmp_path, seeds=K.FIX_SEEDS, steps=3), "python", said.append) == U.FIX_REFUSED
+    assert "at the pre-registered 25 steps" in said[-1]
     out = tmp_path / "out"
     (out / "heldout_first.json").write_text(json.dumps({"suite": "dip", "seed_set": "held-out (...)", "verdicts": {
         h: {"verdict": v} for h, v in (("H1", "refuted"), ("H2", "refuted"), ("H3", "confirmed"))}}))
