@@ -212,8 +212,9 @@ def reading(v: Mapping[str, Mapping[str, Any]]) -> str:
         return "no hypothesis confirmed"
     if len(conf) == 1 and all(v[h]["verdict"] == "refuted" for h in hs if h != conf[0]):
         return f"the dip's cause: {conf[0]} (the others refuted)"
-    return "the dip is consistent with each of " + ", ".join(conf) + " (no cause named: " + ", ".join(
-        f"{h} {v[h]['verdict']}" for h in hs if h not in conf) + ")"
+    rest = [f"{h} {v[h]['verdict']}" for h in hs if h not in conf]
+    return ("the dip is consistent with each of " + ", ".join(conf) + "; no cause named"
+            + (f" ({'; '.join(rest)})" if rest else ""))
 
 
 def fix_overrides(verdicts: Mapping[str, str]) -> tuple[str, ...]:

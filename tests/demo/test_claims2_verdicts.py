@@ -112,7 +112,7 @@ def test_dip_hypotheses_confirmed_and_refuted():
     assert v["precondition"]["tests"]["tg_dips"]["confidence"] == 0.95
     assert v["H2"]["tests"]["close_falls"]["estimate"] == pytest.approx(-1.4)  # tg -1.5 minus grpo -0.1
     assert v["H2"]["tests"]["close_leads"]["estimate"] == 1.0  # s_c 2 < s_p 3 on every dipping seed
-    assert V.reading(v).startswith("the dip is consistent with each of H1, H2, H3")
+    assert V.reading(v) == "the dip is consistent with each of H1, H2, H3; no cause named"
     assert V.fix_overrides({k: x["verdict"] for k, x in v.items()}) == ("optimizer.lr=0.0001",
                                                                          "objective.kl_action_weight=4")
     # the dip follows lambda: lambda 10 dips far less than tg; H1 refuted
@@ -135,6 +135,9 @@ def test_dip_hypotheses_confirmed_and_refuted():
     assert V.reading(v) == "the dip's cause: H2 (the others refuted)"
     assert V.fix_overrides({k: x["verdict"] for k, x in v.items()}) == ("objective.kl_action_weight=4",)
     assert V.fix_overrides({"H1": "refuted", "H2": "seen ...", "H3": "confirmed"}) == ()
+    # one confirmed beside an undecided one: no cause named
+    v["H1"] = {**v["H1"], "verdict": "undecided"}
+    assert V.reading(v) == "the dip is consistent with each of H2; no cause named (H1 undecided; H3 refuted)"
 
 
 def test_dip_precondition_and_undecided():
