@@ -26,12 +26,10 @@ def run(pas=RISING, final=None, jitter=0.0, **kw):
     """One run's measures as claims2.measure writes them; ``jitter`` shifts the pass series
     (seeds that differ a little, so the t-intervals have a width)."""
     x = K.dip_measures({t: min(1.0, max(0.0, v + jitter)) for t, v in enumerate(pas, 1)})
-    x.update(pass_=None)
     x = {**x, "pass": sum(pas[-5:]) / 5 + jitter, "final": {**STYLE_OK, **(final or {})},
          "close_fall": -0.1, "close_onset": None, "branch_rise": 0.1,
          "update_norm": {str(t): 1.0 for t in range(1, 11)}, "abs_mean_over_lr_to_dip": 0.8,
          "weight_frac_thinking_to_dip": 0.6, "frac_gated_thinking_to_dip": 0.7, "steps": len(pas)}
-    x.pop("pass_")
     x.update(kw)
     return x
 
