@@ -34,6 +34,8 @@ from .hostile_review5 import LEFT_OPEN as REVIEW5_LEFT_OPEN
 from .hostile_review6 import ATTACKS as REVIEW6
 from .hostile_review6 import HOST_SIDE as REVIEW6_HOST_SIDE
 from .hostile_review6 import LEFT_OPEN as REVIEW6_LEFT_OPEN
+from .hostile_review7 import ATTACKS as REVIEW7
+from .hostile_review7 import LEFT_OPEN as REVIEW7_LEFT_OPEN
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
 # ---------------------------------------------------------------- in-process tampering
@@ -659,3 +661,27 @@ def test_the_sixth_review_s_many_empty_files_are_refused_after_a_bounded_read(gr
     from megatron_tg.agent.changes import MAX_CHANGED_FILES
     g = _grade_review6(grader, tmp_path, "150k-empty-files-grading-cost")
     assert not g.passed and g.reason == f"not graded: the change has more than {MAX_CHANGED_FILES} added or changed files"
+
+
+def test_what_the_seventh_review_left_open_is_named_in_the_residual_risks():
+    """The seventh review's solutions the grader still passes (and its grading-cost case) are
+    not mended yet: each is one of that review's and is named in docs/grading.md's residual
+    risks."""
+    risks = (REPO / "docs" / "grading.md").read_text().split("## Residual risks", 1)[1]
+    assert set(REVIEW7_LEFT_OPEN) <= set(REVIEW7)
+    missing = [doc for doc in REVIEW7_LEFT_OPEN.values() if f"`{doc}`" not in risks]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("name", [n for n in REVIEW7 if n not in REVIEW7_LEFT_OPEN])
+def test_the_seventh_review_s_caught_solutions_stay_fail(grader, name, tmp_path):
+    """The two the seventh review's solutions that the grader caught on 63030d4 stay caught."""
+    spec = REVIEW7[name]
+    ctx: dict = {"sandbox": grader.sandbox}
+
+    def hook(fn):
+        return (lambda ws, host: fn(ws, ctx.setdefault("host", str(host)) and ctx)) if fn else None
+    g, _host = _grade_beside_a_host_victim(grader, tmp_path, spec["files"], b"tgrv7", host_mode=0o777,
+                                           before_adopt=hook(spec["setup"]),
+                                           after_adopt=hook(spec["after_adopt"]))
+    assert not g.passed, (name, g.reason, g.flags, g.output[-2000:])
