@@ -33,8 +33,10 @@ import json
 import logging
 import os
 import secrets
+import select
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,7 +250,8 @@ class Grader:
                             "--import-mode=importlib", "-q", "-o", "console_output_style=classic", *test_files]}
         (grader / "config.json").write_text(json.dumps(cfg))
         cmd = f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 exec python -I -B {g_dir}/run.py {g_dir}/config.json"
-        reader = asyncio.ensure_future(asyncio.to_thread(_drain, ev_r))
+        stop_reading = threading.Event()
+        reader = asyncio.ensure_future(asyncio.to_thread(_drain, ev_r, stop_reading))
         try:
             res = await self.sandbox.run(cmd, ev, self.limits, pass_fds=[ev_w, key_r], readonly_workdir=True,
                                          binds=[Bind(str(grader), g_dir)] if isolated else [])
@@ -256,10 +259,14 @@ class Grader:
             os.close(ev_w)  # the sandbox is gone: with our end closed the reader sees EOF
             os.close(key_r)
             try:
-                data = await asyncio.wait_for(reader, timeout=10)
+                data = await asyncio.wait_for(asyncio.shield(reader), timeout=10)
                 await asyncio.wait_for(writer, timeout=10)
             except asyncio.TimeoutError:  # a process outside any namespace ("none" mode) holds it
                 data = None
+                # the reader must leave its read before the descriptor is closed (a blocked
+                # read would hold the process at exit, and the number could be reused)
+                stop_reading.set()
+                await reader  # shielded above: this waits for the thread itself
             os.close(ev_r)
         if res.exit_code == EVIDENCE_REPLACED:
             return GradeResult(False, missing, "the test run's evidence pipe was replaced (its descriptor pointed "
@@ -289,12 +296,23 @@ def _write_all(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
-def _drain(fd: int) -> bytes | None:
+def _drain(fd: int, stop: threading.Event | None = None) -> bytes | None:
     """Everything written to the evidence pipe, or None past its bound. Past the bound the
     pipe is still read to its end (and dropped), so a writer that floods it never blocks on a
-    full pipe: the sandbox ends when its tests do, not at the wall-clock limit."""
+    full pipe: the sandbox ends when its tests do, not at the wall-clock limit. ``stop`` set:
+    give up (a process outside the sandbox still holds the write end, e.g. a fork of this
+    one); the read never blocks, so the thread ends and the process can exit."""
     out: bytearray | None = bytearray()
-    while chunk := os.read(fd, 1 << 16):
+    while True:
+        if stop is not None:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if not ready:
+                if stop.is_set():
+                    return None
+                continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
         if out is not None:
             out += chunk
             if len(out) > MAX_EVIDENCE_BYTES:
