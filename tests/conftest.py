@@ -47,11 +47,9 @@ def _own_master_port(monkeypatch):
     trainer started without it takes torch's 29500, which two tests on two workers would
     share (measured: the SFT run failed with EADDRINUSE on 29500)."""
     if "MASTER_PORT" not in os.environ:
-        import socket
+        from megatron_tg.parallel.ports import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
 
 
 @pytest.fixture(params=_test_rules(), scope="module")

@@ -98,20 +98,18 @@ def test_the_serve_command_and_a_harness_configured_by_url(tok, tmp_path):
     """`python -m megatron_tg.agent.remote serve` as its own process on 127.0.0.1, and a
     harness that only has rollout.sandbox_url / sandbox_token_file."""
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
     import megatron_tg
+    from megatron_tg.parallel.ports import free_port
     from megatron_tg.agent.tasks import BUILTIN_TASKS
 
     repo = Path(megatron_tg.__file__).resolve().parent.parent
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "megatron_tg.agent.remote", "serve", "--token-file", str(token_file),
                              "--port", str(port), f"rollout.tasks={BUILTIN_TASKS}", "rollout.test_timeout_s=30"],
                             env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE,
@@ -123,7 +121,7 @@ def test_the_serve_command_and_a_harness_configured_by_url(tok, tmp_path):
     fizz = next(t for t in builtin_tasks() if t.id == "fizzbuzz")
 
     async def main():
-        for _ in range(100):  # the worker imports and loads its tasks first
+        for _ in range(600):  # the worker imports and loads its tasks first (slow under load)
             try:
                 return await h.env.health()
             except RemoteEnvironmentError:

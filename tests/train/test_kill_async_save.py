@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from megatron_tg.testing.processes import wait_or_dump
 from tests.train.test_kill_resume import RUBRIC, _last_by_step, _latest, _rows, _start, _tail, policy_dir  # noqa: F401
 
 # Every test here under NCCL's rules (tests/conftest.py: comm_rules; plain gloo on request).
@@ -44,7 +45,7 @@ def test_sigkill_during_an_async_save_resumes_from_the_previous_checkpoint(polic
     assert K in first_life, sorted(first_life)  # step K was logged before its save began
 
     proc = _start(policy_dir, run, rubric)
-    assert proc.wait(timeout=600) == 0, _tail(run)
+    assert wait_or_dump([proc], 600, lambda: _tail(run)) == [0], _tail(run)
     log = (run / "trainer.log").read_text()
     assert f"resumed from checkpoint step {K - 1}" in log
     assert _latest(run) == f"step_{N:08d}"

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_tg.testing.processes import wait_or_dump
+
 # Every test here under NCCL's rules (tests/conftest.py: comm_rules; plain gloo on request).
 pytestmark = pytest.mark.usefixtures("comm_rules")
 
@@ -118,8 +120,8 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(policy_dir, tmp
     assert killed_rows in (K, K + 1), killed_rows  # killed in step K+1 (rarely after logging it)
 
     b = _start(policy_dir, b_dir, rubric)
-    assert a.wait(timeout=600) == 0, _tail(a_dir)
-    assert b.wait(timeout=600) == 0, _tail(b_dir)
+    assert wait_or_dump([a, b], 600, lambda: _tail(a_dir) + "\n" + _tail(b_dir)) == [0, 0], \
+        _tail(a_dir) + "\n" + _tail(b_dir)
     assert f"resumed from checkpoint step {K}" in (b_dir / "trainer.log").read_text()
 
     ra, rb = _last_by_step(_rows(a_dir)), _last_by_step(_rows(b_dir))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_tg.testing.processes import wait_or_dump
 from tests.train.test_kill_resume import RUBRIC
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,24 +58,8 @@ def _launch(policy_dir, run_dir, steps, extra=()):
 
 
 def _wait(procs, timeout, run_dir=None):
-    """The ranks' exit codes; past ``timeout``, a hung run's stacks (SIGUSR2, the trainer's
-    stack dump) go into its logs, the ranks are killed and the test fails with the logs."""
-    deadline = time.monotonic() + timeout
-    codes = []
-    try:
-        for p in procs:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-    except subprocess.TimeoutExpired:
-        live = [p for p in procs if p.poll() is None]
-        for p in live:
-            p.send_signal(signal.SIGUSR2)
-        time.sleep(3)
-        for p in live:
-            p.kill()
-            p.wait()
-        pytest.fail(f"ranks still running after {timeout} s; their stacks and logs:\n"
-                    + (_tail(run_dir, 12000) if run_dir else ""))
-    return codes
+    """The ranks' exit codes; a hung run fails with its stacks (:func:`wait_or_dump`)."""
+    return wait_or_dump(procs, timeout, lambda: _tail(run_dir, 12000) if run_dir else "")
 
 
 def _port():
