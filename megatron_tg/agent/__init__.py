@@ -2,7 +2,8 @@
 turns one task into one token-exact :class:`~megatron_tg.rollout.types.Rollout`."""
 
 from megatron_tg.agent.environment import Environment, Episode, LocalEnvironment
-from megatron_tg.agent.grading import GradeResult, Grader
+from megatron_tg.agent.grading import Grader
+from megatron_tg.agent.grading_verdict import GradeResult
 from megatron_tg.agent.harness import DEFAULT_SYSTEM_PROMPT, AgentHarness, run_standalone
 from megatron_tg.agent.runtimes import ContainerSandbox, sandbox_from_config
 from megatron_tg.agent.sandbox import BWRAP_APT_HINT, ExecResult, Limits, Sandbox, SandboxError, bwrap_path

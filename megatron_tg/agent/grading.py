@@ -38,12 +38,14 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from megatron_tg.agent.changes import ChangeSet, Refused, extract
+from megatron_tg.agent import grading_calls
+from megatron_tg.agent.changes import Refused, extract
+from megatron_tg.agent.grading_checkout import (MAX_FILES, PREPARE_S, apply_changes, canary, grading_files,
+                                                is_test_support)
 from megatron_tg.agent.grading_sources import STUB
+from megatron_tg.agent.grading_verdict import GradeResult, verdict
 from megatron_tg.agent.proc import Limits
 from megatron_tg.agent.sandbox import Bind, Sandbox, SandboxError, rmtree
 from megatron_tg.agent.tasks import Task, materialize, write_files
@@ -58,110 +60,6 @@ RUNNER_FILES = {"run.py": RUNNER, **{name: RUNNER.with_name(name) for name in (
 EVIDENCE_REPLACED = 3  # the runner's exit status when the evidence pipe was not the one it was given
 GRADER_INI = "[pytest]\naddopts =\n"
 MAX_EVIDENCE_BYTES = 16 << 20
-MAX_FILES = 200_000
-PREPARE_S = 60.0
-"""Longest the workspace may take to read (the walk and the reads of the change); the test run
-has its own wall-clock limit (``Limits.wall_s``). A normal grade reads its workspace in well
-under a second."""
-OUTPUT_CHARS = 2000
-TEST_DIR_NAMES = frozenset({"tests", "test", "testing"})
-STARTUP_NAMES = frozenset({"conftest.py", "sitecustomize.py", "usercustomize.py"})
-SUBTEST = "subtest"  # the phase of a subtest's report: many per test, the worst kept
-RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
-
-
-@dataclass
-class GradeResult:
-    passed: bool
-    tests: dict[str, str] = field(default_factory=dict)
-    """Required test id -> "passed" | "failed" | "error" | "skipped" | "missing"."""
-    reason: str = ""
-    """Why the task did not pass (empty when it did)."""
-    output: str = ""
-    flags: list[str] = field(default_factory=list)
-    """What the runner saw the solution tamper with (any flag fails the grade)."""
-    ignored: list[str] = field(default_factory=list)
-    """Paths of the policy's change not graded: test support, always from the pristine source."""
-
-    def __post_init__(self) -> None:
-        # Paths come from the policy's file names, which need not be UTF-8 (a lone surrogate
-        # from os.fsdecode): escaped here, so that the grade's metadata always encodes.
-        self.reason = printable(self.reason)
-        self.ignored = [printable(p) for p in self.ignored]
-        self.flags = [printable(f) for f in self.flags]
-        self.output = printable(self.output)
-
-    def metadata(self) -> dict[str, Any]:
-        """What the rollout carries: ``tests_passed`` is what the judge's tests_pass reads."""
-        counts = {k: sum(v == k for v in self.tests.values()) for k in ("passed", "failed", "error", "skipped",
-                                                                         "missing")}
-        return {"tests_passed": self.passed,
-                "tests": {"reason": self.reason, "counts": counts, "results": self.tests,
-                          "flags": self.flags[:20], "ignored": self.ignored[:50],
-                          "output": self.output[-OUTPUT_CHARS:]}}
-
-
-def printable(text: str) -> str:
-    """``text`` with every character UTF-8 cannot encode (lone surrogates) written as its
-    ``\\udcXX`` escape."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def is_test_support(rel: str, extra: frozenset[str] = frozenset()) -> bool:
-    """A file the tests are run with rather than the code under test: graded from the
-    pristine source only."""
-    parts = rel.split("/")
-    name = parts[-1]
-    return (rel in extra or name in STARTUP_NAMES or name.endswith(".pth")
-            or (name.startswith("test_") and name.endswith(".py")) or name.endswith("_test.py")
-            or any(p in TEST_DIR_NAMES for p in parts[:-1]))
-
-
-def grading_files(task: Task) -> dict[str, str]:
-    """The test files written over the checkout: the task's hidden files; for a task from a
-    git mirror also the files of its required tests and those its test patch touches, as
-    the base commit has them with the patch applied."""
-    files = dict(task.hidden_files)
-    if task.repo is not None and task.base_commit is not None:
-        from megatron_tg.agent.swe.repos import patched_files
-
-        test_files = sorted({t.split("::", 1)[0] for t in task.required_tests} - set(files))
-        files.update(patched_files(task.repo, task.base_commit, task.test_patch, test_files))
-    return files
-
-
-def apply_changes(tree: Path, changes: ChangeSet, keep: frozenset[str]) -> list[str]:
-    """Write the change into ``tree`` (ours: a pristine copy), except paths that are test
-    support; returns those left out."""
-    ignored = []
-    for rel in [*changes.deleted, *changes.written]:
-        # A file where the task has a directory (``tests`` made a regular file) would make the
-        # write below remove that directory, test support and all: not graded.
-        if rel in changes.written and os.path.isdir(tree / rel) and not os.path.islink(tree / rel):
-            ignored.append(rel)
-    for rel in changes.deleted:
-        if is_test_support(rel, keep):
-            ignored.append(rel)
-        elif os.path.lexists(tree / rel) and not os.path.isdir(tree / rel):
-            os.unlink(tree / rel)
-    for rel, data in changes.written.items():
-        if rel in ignored:
-            continue
-        if is_test_support(rel, keep):
-            ignored.append(rel)
-            continue
-        write_files(tree, {rel: ""})  # links and files on the way replaced, directories made
-        (tree / rel).write_bytes(data)
-    return sorted(ignored)
-
-
-def _canary(nonce: str) -> tuple[str, str, str]:
-    """A module with one test that must pass and one that must fail, with names a solution
-    cannot tell from the task's (no fixed prefix)."""
-    ok, bad = f"test_{secrets.token_hex(4)}", f"test_{secrets.token_hex(4)}"
-    body = (f"def {ok}():\n    assert [1, 2] + [3] == [1, 2, 3]\n\n\n"
-            f"def {bad}():\n    assert sum([1, 2]) == 4\n")
-    return body, ok, bad
 
 
 class Grader:
@@ -201,7 +99,7 @@ class Grader:
         test_dirs = sorted({os.path.dirname(t.split("::", 1)[0]) for t in task.required_tests})
         canaries = []
         for d in test_dirs:
-            body, ok, bad = _canary(secrets.token_hex(4))
+            body, ok, bad = canary(secrets.token_hex(4))
             rel = os.path.join(d, f"test_{secrets.token_hex(5)}.py")
             files[rel] = body
             canaries.append((rel, ok, bad))
@@ -228,6 +126,8 @@ class Grader:
         return ev, ignored, {"protected": protected, "solution": solution, "served": served}, canaries
 
     async def _grade(self, task: Task, workspace: Path, base: Path, missing: dict) -> GradeResult:
+        if task.grading == "calls":
+            return await grading_calls.run(self.sandbox, self.limits, task, workspace, base)
         ev, ignored, paths, canaries = await asyncio.to_thread(self._prepare, task, workspace, base)
         grader = base / "grader"
         ev_in = self.sandbox.path_in(ev)  # where the command sees the checkout
@@ -320,81 +220,4 @@ def _drain(fd: int, stop: threading.Event | None = None) -> bytes | None:
     return None if out is None else bytes(out)
 
 
-def verdict(task: Task, data: bytes | None, nonce: str, canaries: list, output: str,
-            ignored: list[str]) -> GradeResult:
-    """The grade from the runner's records (see module doc)."""
-    missing = {t: "missing" for t in task.required_tests}
-
-    def fail(reason: str, tests=None, flags=()) -> GradeResult:
-        return GradeResult(False, tests or missing, reason, output, list(flags), ignored)
-
-    if data is None:
-        return fail("the test run wrote more evidence than the grader reads (or never closed it)")
-    phases: dict[str, dict[str, str]] = {}
-    flags, done, stopped, twice = [], False, None, None
-    for line in data.decode("utf-8", "replace").splitlines():
-        head, _, body = line.partition(" ")
-        if head != nonce:
-            return fail("the evidence holds a record the grader's runner did not write")
-        try:
-            rec = json.loads(body)
-        except json.JSONDecodeError:
-            return fail("the evidence holds a malformed record")
-        # The runner writes objects with these keys; anything else was written by someone else
-        # holding the nonce, and is refused like a forged record (never a grader crash).
-        if type(rec) is not dict or (rec.get("t") == "result" and not all(
-                type(rec.get(k)) is str for k in ("id", "when", "outcome"))):
-            return fail("the evidence holds a malformed record")
-        t = rec.get("t")
-        if t == "flag":
-            flags.append(str(rec.get("reason")))
-        elif t == "result":
-            # The runner writes one record per phase of a test (a subtest's each its own, as
-            # "subtest"). A second record for a phase was written by whoever else holds the
-            # nonce: kept, the last one would overwrite pytest's (a "passed" written after
-            # the real "failed").
-            ph = phases.setdefault(rec["id"], {})
-            when, got = rec["when"], rec["outcome"]
-            if when == SUBTEST:
-                if RANK.get(got, 3) >= RANK.get(ph.get(when, "passed"), 3):
-                    ph[when] = got
-            elif when in ph:
-                twice = twice or f"the evidence holds two records for one phase ({rec['id']} {when})"
-            else:
-                ph[when] = got
-        elif t == "done":
-            done = True
-        elif t == "stopped":
-            stopped = str(rec.get("reason"))
-
-    def outcome(node: str) -> str:
-        ph = phases.get(node)
-        if not ph:
-            return "missing"
-        worst = max(ph.values(), key=lambda v: RANK.get(v, 3))
-        if worst == "passed" and "call" not in ph:
-            return "missing"
-        return worst if worst in RANK else "error"
-
-    results = {t: outcome(t) for t in task.required_tests}
-    if flags:
-        return fail(f"tampering detected: {flags[0]}", results, flags)
-    if twice:
-        return fail(twice, results)
-    if not done:
-        return fail(f"the test run did not finish ({stopped or 'stopped before its end'})", results)
-    broken = sorted(n for n, ph in phases.items() if ph.get("collect") == "error")
-    if broken:
-        return fail(f"the tests could not be collected: {', '.join(broken[:5])}", results)
-    for rel, ok, bad in canaries:
-        if outcome(f"{rel}::{ok}") != "passed" or outcome(f"{rel}::{bad}") != "failed":
-            return fail("the grader's canary tests did not come out as they must (the test run was tampered "
-                        "with)", results)
-    bad_tests = {t: v for t, v in results.items() if v != "passed"}
-    if bad_tests:
-        return fail(f"{len(bad_tests)} of {len(results)} required tests did not pass: "
-                    + ", ".join(f"{t} ({v})" for t, v in list(bad_tests.items())[:5]), results)
-    return GradeResult(True, results, "", output, [], ignored)
-
-
-__all__ = ["GradeResult", "Grader", "apply_changes", "grading_files", "is_test_support", "verdict"]
+__all__ = ["Grader"]

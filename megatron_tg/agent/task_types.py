@@ -10,7 +10,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 _KEYS = {"id", "instruction", "files", "repo", "base_commit", "test_command", "hidden_files", "fail_to_pass",
-         "pass_to_pass", "pythonpath", "image", "privileged", "metadata"}
+         "pass_to_pass", "pythonpath", "image", "privileged", "metadata", "grading"}
+GRADINGS = ("runner", "calls")
 
 class TaskFormatError(ValueError):
     pass
@@ -40,6 +41,12 @@ class Task:
     metadata: dict[str, Any] = field(default_factory=dict)
     source: str | None = None
     """The file this task was read from (the sandbox hides it: it holds the hidden tests)."""
+    grading: str = "runner"
+    """How the grader runs the required tests: ``"runner"``, pytest in the sandbox beside the
+    tested code, which in-process checks watch (any test, e.g. a SWE-bench row's); ``"calls"``,
+    pytest outside the sandbox, the tested code reached only through calls that return plain
+    data (tests that call the task's functions and compare what they return; no in-process
+    attack can reach the verdict). docs/grading.md compares the two."""
 
     @property
     def required_tests(self) -> list[str]:
@@ -79,10 +86,13 @@ class Task:
         md = d.get("metadata", {})
         if not isinstance(md, dict):
             raise TaskFormatError("metadata: must be an object")
+        grading = d.get("grading", "runner")
+        if grading not in GRADINGS:
+            raise TaskFormatError(f"grading: must be one of {list(GRADINGS)}, got {grading!r}")
         return cls(id=d["id"], instruction=d["instruction"], fail_to_pass=f2p, pass_to_pass=p2p, files=files,
                    repo=repo, base_commit=d.get("base_commit"), test_command=d.get("test_command"),
                    hidden_files=hidden, pythonpath=pp, image=d.get("image"), privileged=d.get("privileged"),
-                   metadata=md, source=source)
+                   metadata=md, source=source, grading=grading)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "instruction": self.instruction, "files": self.files,
@@ -95,6 +105,8 @@ class Task:
                 d[k] = getattr(self, k)
         if self.pythonpath != ["."]:
             d["pythonpath"] = self.pythonpath
+        if self.grading != "runner":
+            d["grading"] = self.grading
         return d
 
 

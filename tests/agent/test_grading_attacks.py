@@ -601,7 +601,7 @@ def test_the_fifth_review_s_solutions_are_graded_fail(grader, name, tmp_path):
 def test_records_of_another_shape_are_a_fail_not_a_grader_error(body):
     """Records with the nonce that the runner would never write (a list, a result without its
     keys or with other types) are refused as forged; before, the first raised in the verdict."""
-    from megatron_tg.agent.grading import verdict
+    from megatron_tg.agent.grading_verdict import verdict
 
     nonce = "n" * 32
     g = verdict(TASK, f"{nonce} {body}\n".encode(), nonce, [], "", [])
@@ -611,7 +611,7 @@ def test_records_of_another_shape_are_a_fail_not_a_grader_error(body):
 def test_a_grade_s_text_always_encodes():
     """Names from the policy's files can hold lone surrogates (os.fsdecode of non-UTF-8 bytes);
     the grade escapes them, so the rollout's metadata encodes as UTF-8."""
-    from megatron_tg.agent.grading import GradeResult
+    from megatron_tg.agent.grading_verdict import GradeResult
 
     g = GradeResult(False, {}, "not graded: tests/\udcff.py", "out \udcfe", ["flag \udcfd"], ["tests/\udcff.py"])
     json.dumps(g.metadata(), ensure_ascii=False).encode()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_tg.agent.grading import verdict
+from megatron_tg.agent.grading_verdict import verdict
 from megatron_tg.agent.tasks import Task
 
 from .test_grading import CORRECT, TASK, grade, grader  # noqa: F401  (the fixture)

@@ -1,0 +1,171 @@
+"""Grading by calls: the tests run where the tested code cannot reach them.
+
+For a task with ``grading: calls``. The policy's change is extracted and applied to a pristine
+checkout as for the runner (:mod:`megatron_tg.agent.grading`); then two processes, joined
+only by two pipes:
+
+- the **tested side** (:mod:`calls_subject`), in a fresh sandbox on the graded checkout
+  (read-only; no hidden test in it, not even a stub), imports the task's modules and answers
+  calls;
+- the **test side** (:mod:`calls_driver`), outside the sandbox, runs pytest on the task's test
+  support from the pristine source only (hidden tests, conftest, helpers) in a private
+  directory, and writes the per-test records.
+
+What the tested code can send is data (:mod:`calls_wire`): exact built-in types, judged by the
+tests' own ``==`` in an interpreter that runs none of the policy's code; its other objects are
+opaque handles with no equality, truth value or hash of their own. So the in-process attacks
+of the runner's threat model (patched comparisons, swapped test items, frame reads of the
+caller's assertion, forged records, closures over the runner's state) have nothing to act on.
+The test side's records are read after both sides ended, with the grader's nonce, by the same
+:func:`~megatron_tg.agent.grading_verdict.verdict` (canaries included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatron_tg.agent.changes import extract
+from megatron_tg.agent.grading_checkout import (MAX_FILES, PREPARE_S, apply_changes, canary, grading_files,
+                                                is_test_support)
+from megatron_tg.agent.grading_verdict import GradeResult, verdict
+from megatron_tg.agent.proc import Limits
+from megatron_tg.agent.sandbox import Bind, Sandbox
+from megatron_tg.agent.tasks import Task, materialize, write_files
+
+HERE = Path(__file__).parent
+SUBJECT_FILES = {"subject.py": HERE / "calls_subject.py", "calls_wire.py": HERE / "calls_wire.py"}
+DRIVER_FILES = {"driver.py": HERE / "calls_driver.py", "calls_wire.py": HERE / "calls_wire.py"}
+DRIVER_GRACE_S = 30.0
+"""How long past the test run's wall-clock limit the test side may take (pytest's start and
+its report) before it is killed and the grade is a FAIL."""
+
+
+def task_modules(tree: Path, roots: list[str]) -> list[str]:
+    """The top-level module names the pristine checkout defines at the task's roots: the only
+    imports the test side sends to the tested side (a module the policy adds cannot stand in
+    for one the test side's own libraries would try to import)."""
+    names = set()
+    for root in roots:
+        d = tree / root
+        if not d.is_dir():
+            continue
+        for entry in os.scandir(d):
+            rel = os.path.relpath(entry.path, tree)
+            if entry.is_symlink() or is_test_support(rel + ("/x" if entry.is_dir() else "")):
+                continue
+            if entry.is_file() and entry.name.endswith(".py"):
+                names.add(entry.name[:-3])
+            elif entry.is_dir() and entry.name.isidentifier():
+                names.add(entry.name)
+    return sorted(n for n in names if n.isidentifier())
+
+
+def prepare(task: Task, workspace: Path, base: Path, limits: Limits):
+    """The graded checkout (``base/ws``: the change applied, no hidden file), the test side's
+    directory (``base/driver/tests``: pristine test support, hidden tests, canaries), the
+    modules it may import from the tested side, and the change's ignored paths."""
+    orig, ev, grader, driver = base / "orig", base / "ws", base / "grader", base / "driver"
+    for d in (orig, grader, driver):
+        d.mkdir()
+    os.chmod(driver, 0o700)  # the test side's files: never the sandbox's to read
+    materialize(task, orig)
+    changes = extract(workspace, orig, max_bytes=limits.disk_mb << 20, max_files=MAX_FILES,
+                      deadline=time.monotonic() + PREPARE_S)
+    files = grading_files(task)
+    keep = frozenset(files)
+    shutil.copytree(orig, ev, symlinks=True)
+    ignored = apply_changes(ev, changes, keep)
+    tests = driver / "tests"
+    tests.mkdir()
+    for root, _dirs, names in os.walk(orig):  # test support from the pristine source only
+        for n in names:
+            p = Path(root) / n
+            rel = os.path.relpath(p, orig)
+            if is_test_support(rel, keep) and not p.is_symlink() and p.is_file():
+                write_files(tests, {rel: ""})
+                shutil.copyfile(p, tests / rel)
+    test_dirs = sorted({os.path.dirname(t.split("::", 1)[0]) for t in task.required_tests})
+    canaries = []
+    for d in test_dirs:
+        body, ok, bad = canary(secrets.token_hex(4))
+        rel = os.path.join(d, f"test_{secrets.token_hex(5)}.py")
+        files[rel] = body
+        canaries.append((rel, ok, bad))
+    write_files(tests, files)
+    (tests / "pytest.ini").write_text("[pytest]\naddopts =\n")
+    for root, dirs, names in os.walk(ev):  # our tree: readable, not writable, by the sandbox uid
+        for n in dirs:
+            os.chmod(os.path.join(root, n), 0o755)
+        for n in names:
+            if not os.path.islink(os.path.join(root, n)):
+                os.chmod(os.path.join(root, n), 0o644)
+    for name, src in SUBJECT_FILES.items():
+        shutil.copyfile(src, grader / name)
+    for name, src in DRIVER_FILES.items():
+        shutil.copyfile(src, driver / name)
+    for d in (grader, base, ev):
+        os.chmod(d, 0o755)
+    return ev, driver, task_modules(orig, task.pythonpath), canaries, ignored
+
+
+async def run(sandbox: Sandbox, limits: Limits, task: Task, workspace: Path, base: Path) -> GradeResult:
+    """The verdict of a grade by calls (see module doc)."""
+    ev, driver, modules, canaries, ignored = await asyncio.to_thread(prepare, task, workspace, base, limits)
+    ev_in = sandbox.path_in(ev)
+    isolated = sandbox.mode != "none"
+    g_dir = "/tg-grader" if isolated else str(base / "grader")
+    nonce = secrets.token_hex(16)
+    report = driver / "report.jsonl"
+    test_files = sorted({t.split("::", 1)[0] for t in task.required_tests} | {c[0] for c in canaries})
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    (base / "grader" / "config.json").write_text(json.dumps({
+        "req_fd": req_r, "resp_fd": resp_w, "workspace": ev_in,
+        "roots": [os.path.normpath(os.path.join(ev_in, p)) for p in task.pythonpath]}))
+    (driver / "config.json").write_text(json.dumps({
+        "req_fd": req_w, "resp_fd": resp_r, "nonce": nonce, "report": str(report), "modules": modules,
+        "tests": str(driver / "tests"), "roots": task.pythonpath, "timeout_s": limits.wall_s,
+        "pytest_args": ["-c", str(driver / "tests" / "pytest.ini"), f"--rootdir={driver / 'tests'}",
+                        "-p", "no:cacheprovider", "--import-mode=importlib", "-q",
+                        "-o", "console_output_style=classic", *test_files]}))
+    subject = asyncio.ensure_future(sandbox.run(
+        f"exec python -I -B {g_dir}/subject.py {g_dir}/config.json", ev, limits,
+        pass_fds=[req_r, resp_w], readonly_workdir=True, binds=[Bind(str(base / "grader"), g_dir)] if isolated else []))
+    try:
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-B", str(driver / "driver.py"), str(driver / "config.json"),
+            cwd=str(driver / "tests"), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, pass_fds=(req_w, resp_r), start_new_session=True)
+    finally:
+        os.close(req_w)  # the driver holds its own copies now (or never started)
+        os.close(resp_r)
+
+    async def subject_done():
+        try:
+            return await subject
+        finally:  # the tested side is gone: the test side's reads end at once, not at its deadline
+            os.close(req_r)
+            os.close(resp_w)
+
+    watcher = asyncio.ensure_future(subject_done())
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=limits.wall_s + DRIVER_GRACE_S)
+        driver_out = out.decode("utf-8", "replace")
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        driver_out = "(the test side outlived its limit and was killed)"
+    res = await watcher
+    data = report.read_bytes() if report.exists() else b""
+    output = f"{res.describe()}\n--- tests ---\n{driver_out[-4000:]}"
+    return verdict(task, data, nonce, canaries, output, ignored)
