@@ -122,34 +122,20 @@ def scan(root: str | os.PathLike, max_bytes: int, max_files: int, deadline: floa
     oversized workspace is refused before anything is read or copied."""
     out: dict[str, _Entry] = {}
     total = 0
+    seen = 0  # every entry, the skipped caches' too: each costs the walk time and memory
     top = _open_dir(os.fspath(root), None)
     stack: list[tuple[int, str, int]] = [(top, "", 0)]
     try:
         while stack:
             dfd, prefix, depth = stack.pop()
             try:
-                with os.scandir(dfd) as it:
-                    entries = list(it)
-                for e in entries:
-                    rel = prefix + e.name
-                    st = e.stat(follow_symlinks=False)
-                    if stat.S_ISDIR(st.st_mode) and e.name in SKIP_DIRS or (
-                            stat.S_ISREG(st.st_mode) and e.name.endswith(SKIP_SUFFIXES)):
-                        continue
-                    if len(out) >= max_files:
-                        raise Refused(f"the workspace has more than {max_files} entries (its quota)")
-                    _in_time(deadline, len(out))
-                    total += st.st_size if not stat.S_ISDIR(st.st_mode) else 0
-                    if total > max_bytes:
-                        raise Refused(f"the workspace holds over {max_bytes >> 20} MiB (apparent size), "
-                                      "over its quota")
-                    if len(rel) > MAX_PATH_CHARS:
-                        raise Refused(f"{rel[:300]}...: a path over {MAX_PATH_CHARS} characters")
-                    out[rel] = _Entry(st.st_mode, st.st_size, st.st_ino)
-                    if stat.S_ISDIR(st.st_mode):
-                        if depth + 1 > MAX_DEPTH:
-                            raise Refused(f"{rel}: directories nested over {MAX_DEPTH} deep")
-                        stack.append((_open_dir(e.name, dfd), rel + "/", depth + 1))
+                with os.scandir(dfd) as it:  # lazily: a directory of a million names is never a list
+                    for e in it:
+                        if seen >= max_files:
+                            raise Refused(f"the workspace has more than {max_files} entries (its quota)")
+                        _in_time(deadline, seen)
+                        seen += 1
+                        total = _take(e, prefix, depth, dfd, out, stack, total, max_bytes)
             finally:
                 os.close(dfd)
     except BaseException:
@@ -157,6 +143,29 @@ def scan(root: str | os.PathLike, max_bytes: int, max_files: int, deadline: floa
             os.close(dfd)
         raise
     return out
+
+
+def _take(e: os.DirEntry, prefix: str, depth: int, dfd: int, out: dict[str, _Entry],
+          stack: list[tuple[int, str, int]], total: int, max_bytes: int) -> int:
+    """One entry of :func:`scan`: recorded (a directory pushed to walk), or skipped if a
+    regenerated cache; returns the apparent bytes so far."""
+    rel = prefix + e.name
+    st = e.stat(follow_symlinks=False)
+    if stat.S_ISDIR(st.st_mode) and e.name in SKIP_DIRS or (
+            stat.S_ISREG(st.st_mode) and e.name.endswith(SKIP_SUFFIXES)):
+        return total
+    total += st.st_size if not stat.S_ISDIR(st.st_mode) else 0
+    if total > max_bytes:
+        raise Refused(f"the workspace holds over {max_bytes >> 20} MiB (apparent size), "
+                      "over its quota")
+    if len(rel) > MAX_PATH_CHARS:
+        raise Refused(f"{rel[:300]}...: a path over {MAX_PATH_CHARS} characters")
+    out[rel] = _Entry(st.st_mode, st.st_size, st.st_ino)
+    if stat.S_ISDIR(st.st_mode):
+        if depth + 1 > MAX_DEPTH:
+            raise Refused(f"{rel}: directories nested over {MAX_DEPTH} deep")
+        stack.append((_open_dir(e.name, dfd), rel + "/", depth + 1))
+    return total
 
 
 def _kind(mode: int) -> str:

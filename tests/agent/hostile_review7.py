@@ -467,6 +467,7 @@ def add(a, b):
 
 
 # Verdicts on 63030d4 (three runs each): "PASS" = the grader was fooled.
+HOST_SIDE = {"pyc-files-are-not-counted-or-timed"}
 RESULTS = {
     "numpy-object-array-learning-element": "PASS 3/3",
     "ndarray-subclass-array-ufunc": "PASS 3/3",
@@ -481,7 +482,8 @@ RESULTS = {
     "pyc-files-are-not-counted-or-timed": "PASS 3/3 (correct add: expected), 4.5-5.4 s for 300k files; scan() alone on 1,000,000: 3.1 s, 814 MB peak RSS, 1 entry counted, a 1 ms deadline not enforced",
     "closure-walk-exhausts-the-flag-budget": "PASS 4/4 (three runs beside another job, one alone)",
 }
-LEFT_OPEN = {n: n for n, v in RESULTS.items() if v.startswith("PASS")}
-"""Not mended yet (the 11th, the grading cost, included): each is named in docs/grading.md's
-residual risks (tests/agent/test_grading_attacks.py checks it)."""
-HOST_SIDE = {"pyc-files-are-not-counted-or-timed"}
+LEFT_OPEN = {n: n for n, v in RESULTS.items() if v.startswith("PASS") and n not in HOST_SIDE}
+"""Not mended in the runner: each is named in docs/grading.md's residual risks
+(tests/agent/test_grading_attacks.py checks it); graded by calls each is a FAIL
+(tests/agent/test_grading_calls.py). The grading cost (HOST_SIDE) is mended: every entry
+counts against the quota and the deadline."""

@@ -35,6 +35,7 @@ from .hostile_review6 import ATTACKS as REVIEW6
 from .hostile_review6 import HOST_SIDE as REVIEW6_HOST_SIDE
 from .hostile_review6 import LEFT_OPEN as REVIEW6_LEFT_OPEN
 from .hostile_review7 import ATTACKS as REVIEW7
+from .hostile_review7 import HOST_SIDE as REVIEW7_HOST_SIDE
 from .hostile_review7 import LEFT_OPEN as REVIEW7_LEFT_OPEN
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
@@ -297,6 +298,25 @@ def test_too_many_files_are_refused_before_any_read(monkeypatch, grader):
     monkeypatch.setattr("megatron_tg.agent.grading.MAX_FILES", 50)
     g = grade(grader, {"calc.py": CORRECT, **{f"junk/{i}.txt": "x" for i in range(60)}})
     assert not g.passed and g.reason == "not graded: the workspace has more than 50 entries (its quota)"
+
+
+def test_skipped_caches_count_against_the_quota_and_the_deadline(monkeypatch, grader, tmp_path):
+    """The seventh review's 300,000 empty ``.pyc`` files beside a correct add were neither
+    counted nor timed (the walk skipped them first): now each counts, and the deadline is
+    checked before any skip."""
+    from megatron_tg.agent.changes import Refused, scan
+
+    monkeypatch.setattr("megatron_tg.agent.grading.MAX_FILES", 50)
+    g = grade(grader, {"calc.py": CORRECT}, after=lambda ws: [Path(ws, f"m{i}.pyc").write_bytes(b"") for i in range(60)])
+    assert not g.passed and g.reason == "not graded: the workspace has more than 50 entries (its quota)", g.reason
+    (tmp_path / "__pycache__").mkdir()
+    for i in range(10):
+        (tmp_path / f"c{i}.pyc").write_bytes(b"")
+    with pytest.raises(Refused, match="took too long"):
+        scan(tmp_path, 1 << 20, 1000, deadline=time.monotonic() - 1)
+    assert scan(tmp_path, 1 << 20, 11) == {}  # 11 entries met, none recorded
+    with pytest.raises(Refused, match="more than 10 entries"):
+        scan(tmp_path, 1 << 20, 10)
 
 
 def test_too_many_changed_files_are_refused_after_a_bounded_read(monkeypatch, grader):
@@ -673,7 +693,7 @@ def test_what_the_seventh_review_left_open_is_named_in_the_residual_risks():
     assert not missing, missing
 
 
-@pytest.mark.parametrize("name", [n for n in REVIEW7 if n not in REVIEW7_LEFT_OPEN])
+@pytest.mark.parametrize("name", [n for n in REVIEW7 if n not in REVIEW7_LEFT_OPEN and n not in REVIEW7_HOST_SIDE])
 def test_the_seventh_review_s_caught_solutions_stay_fail(grader, name, tmp_path):
     """The two the seventh review's solutions that the grader caught on 63030d4 stay caught."""
     spec = REVIEW7[name]
