@@ -131,7 +131,7 @@ async def run(sandbox: Sandbox, limits: Limits, task: Task, workspace: Path, bas
         "req_fd": req_r, "resp_fd": resp_w, "workspace": ev_in,
         "roots": [os.path.normpath(os.path.join(ev_in, p)) for p in task.pythonpath]}))
     (driver / "config.json").write_text(json.dumps({
-        "req_fd": req_w, "resp_fd": resp_r, "nonce": nonce, "report": str(report), "modules": modules,
+        "req_fd": req_w, "resp_fd": resp_r, "nonce": nonce, "parent_pid": os.getpid(), "report": str(report), "modules": modules,
         "tests": str(driver / "tests"), "roots": task.pythonpath, "timeout_s": limits.wall_s,
         "pytest_args": ["-c", str(driver / "tests" / "pytest.ini"), f"--rootdir={driver / 'tests'}",
                         "-p", "no:cacheprovider", "--import-mode=importlib", "-q",

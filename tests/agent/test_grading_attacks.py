@@ -379,11 +379,13 @@ def test_rmtree_never_chmods_through_a_link():
 
 # ---------------------------------------------------------------- no process outlives grading
 KILL_SCRIPT = """
-import asyncio, sys, tempfile
+import asyncio, dataclasses, os, sys, tempfile
 from megatron_tg.agent.grading import Grader
 from megatron_tg.agent.sandbox import Limits, Sandbox
 from megatron_tg.agent.tasks import materialize, write_files
 from tests.agent.test_grading import TASK
+TASK = dataclasses.replace(TASK, grading="GRADING")
+root = tempfile.mkdtemp(prefix="MARKER-driver")  # the grade's directories (the test side's script) carry it
 lim = Limits(wall_s=120, cpu_s=120, memory_mb=1024, max_procs=32)
 ws = tempfile.mkdtemp(prefix="tg-test-kill-")
 materialize(TASK, ws)
@@ -391,7 +393,7 @@ write_files(ws, {"calc.py": "import subprocess, sys, time\\n"
                  "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', sys.argv[0] or 'x', 'MARKER'])\\n"
                  "def add(a, b):\\n    time.sleep(300)\\n"})
 print("READY", flush=True)
-asyncio.run(Grader(Sandbox("bwrap", limits=lim), lim).grade(TASK, ws))
+asyncio.run(Grader(Sandbox("bwrap", limits=lim), lim, workspace_root=root).grade(TASK, ws))
 """
 
 
@@ -407,9 +409,12 @@ def _with_marker(marker: str) -> list[int]:
     return out
 
 
-def test_a_grader_killed_mid_run_leaves_no_process_behind(sandbox):
+@pytest.mark.parametrize("grading", ["runner", "calls"])
+def test_a_grader_killed_mid_run_leaves_no_process_behind(sandbox, grading):
+    """Neither the sandbox's processes nor, graded by calls, the test side (outside the
+    sandbox: it dies with the grader by its parent-death signal, and its channel closes)."""
     marker = f"tgleak{os.getpid()}x{time.monotonic_ns()}"
-    script = KILL_SCRIPT.replace("MARKER", marker)
+    script = KILL_SCRIPT.replace("MARKER", marker).replace("GRADING", grading)
     p = subprocess.Popen([sys.executable, "-c", script], env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"]},
                          cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -418,6 +423,10 @@ def test_a_grader_killed_mid_run_leaves_no_process_behind(sandbox):
             time.sleep(0.2)
         assert _with_marker(marker), p.stdout.read().decode() if p.poll() is not None else "no marker process"
         time.sleep(1.0)
+        if grading == "calls":  # the test side too (the grader's own command line holds the marker)
+            while not _with_marker(marker + "-driver") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _with_marker(marker + "-driver"), "the test side never started"
         p.send_signal(signal.SIGKILL)  # as the OOM killer or a scheduler would: no clean-up runs
         p.wait()
         deadline = time.monotonic() + 15
