@@ -34,6 +34,13 @@ else:
     from megatron_tg.agent import calls_wire as wire
 
 _REFUSED = frozenset({"pytestmark"})
+MESSAGE_CHARS = 2000
+"""Characters of an exception's message kept from the tested side (pytest prints each in full
+in its report: a 16 MiB message per call made the test side's output hundreds of MB)."""
+# Exceptions that end a loop quietly where the test calls the tested code through map(),
+# zip() or a generator: from a call they arrive as RemoteError, so a call cannot cut a
+# comparison short (only the "next" of an iterator may stop one).
+_STOPS = frozenset({"StopIteration", "StopAsyncIteration"})
 
 
 class RemoteError(Exception):
@@ -61,15 +68,18 @@ class _Channel:
             if type(name) is not str or type(msg) is not str:
                 self._die("a malformed exception")
             cls = getattr(builtins, name, None)
-            if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            if not (isinstance(cls, type) and issubclass(cls, Exception)) or (name in _STOPS and req["op"] != "next"):
                 cls = RemoteError
-            raise cls(msg)
+            raise cls(msg[:MESSAGE_CHARS])
         if "ok" not in resp:
             self._die("a response without a value")
         try:
-            return wire.decode(resp["ok"], self._handle), resp
+            return wire.decode(resp["ok"], self._handle, self.deadline), resp
         except wire.WireError as e:
             self._die(str(e))
+        except TimeoutError as e:
+            self.dead = str(e)
+            raise RemoteError(f"the tested code is unreachable ({e})") from None
 
     def _die(self, why: str):
         self.dead = why

@@ -23,12 +23,19 @@ import select
 import time
 from typing import Any, Callable
 
-MAX_FRAME = 16 << 20
-"""Bytes of one frame; a longer one is refused (the tested side is killed, the call fails)."""
+MAX_FRAME = 4 << 20
+"""Bytes of one frame; a longer one is refused (the channel ends, the call fails). JSON of
+nested empty lists grows about 29-fold when parsed (an independent review measured 463 MB
+for a 16 MiB frame), so the bound is what the test side can afford to parse, not more."""
 MAX_DEPTH = 200
 """Nesting of one value (deeper is refused on both sides)."""
 MAX_NODES = 1_000_000
 """Values in one frame (every element counts)."""
+MAX_HASHED = 100_000
+"""Elements of one set or dict (each insertion can cost the set's size when hashes collide:
+the deadline is checked between insertions)."""
+MAX_FROZEN = 10_000
+"""Elements of one frozenset: built in one call, where no deadline is checked."""
 
 
 class WireError(Exception):
@@ -71,12 +78,21 @@ def encode(value: Any, handle: Callable[[Any], list]) -> Any:
     return enc(value, 0)
 
 
-def decode(tree: Any, handle: Callable[[list], Any]) -> Any:
-    """The value of a tree :func:`encode` made; ``handle(node)`` for ``["h", ...]`` nodes."""
+def decode(tree: Any, handle: Callable[[list], Any], deadline: float | None = None) -> Any:
+    """The value of a tree :func:`encode` made; ``handle(node)`` for ``["h", ...]`` nodes.
+    ``deadline`` (monotonic seconds) is checked as the value is built, every few elements
+    and inside sets and dicts between insertions: ints that all hash alike make building
+    a set quadratic (an independent review stalled a test side for a minute that way)."""
     count = [0]
+
+    def tick() -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("the tested code's value took too long to read")
 
     def dec(node: Any, depth: int) -> Any:
         count[0] += 1
+        if not count[0] & 255:
+            tick()
         if depth > MAX_DEPTH or count[0] > MAX_NODES:
             raise WireError("a value too deep or too large")
         if type(node) is not list or not node or type(node[0]) is not str:
@@ -97,15 +113,28 @@ def decode(tree: Any, handle: Callable[[list], Any]) -> Any:
                 return complex(float.fromhex(args[0]), float.fromhex(args[1]))
             if tag == "y" and len(args) == 1 and type(args[0]) is str:
                 return bytes.fromhex(args[0])
-            if tag in ("l", "t", "S", "F") and len(args) == 1 and type(args[0]) is list:
+            if tag in ("l", "t") and len(args) == 1 and type(args[0]) is list:
                 items = [dec(x, depth + 1) for x in args[0]]
-                return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
+                return items if tag == "l" else tuple(items)
+            if tag in ("S", "F", "d") and len(args) == 1 and type(args[0]) is list and (
+                    len(args[0]) > (MAX_FROZEN if tag == "F" else MAX_HASHED)):
+                raise WireError(f"a set or dict of {len(args[0])} elements (at most {MAX_HASHED}; "
+                                f"a frozenset {MAX_FROZEN})")
+            if tag in ("S", "F") and len(args) == 1 and type(args[0]) is list:
+                out_set: set = set()
+                for i, x in enumerate(args[0]):
+                    out_set.add(dec(x, depth + 1))
+                    if not i & 15:
+                        tick()
+                return out_set if tag == "S" else frozenset(out_set)
             if tag == "d" and len(args) == 1 and type(args[0]) is list:
                 out = {}
-                for pair in args[0]:
+                for i, pair in enumerate(args[0]):
                     if type(pair) is not list or len(pair) != 2:
                         raise WireError("a dict item that is not a pair")
                     out[dec(pair[0], depth + 1)] = dec(pair[1], depth + 1)
+                    if not i & 15:
+                        tick()
                 return out
             if tag == "h":
                 return handle(node)
@@ -128,10 +157,12 @@ def send(fd: int, message: Any) -> None:
 
 def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     out = bytearray()
+    poller = select.poll()  # not select(): a descriptor numbered past 1023 is refused there
+    poller.register(fd, select.POLLIN)
     while len(out) < n:
         if deadline is not None:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not poller.poll(left * 1000):
                 raise TimeoutError("the tested code did not answer in time")
         chunk = os.read(fd, min(n - len(out), 1 << 20))
         if not chunk:

@@ -119,43 +119,55 @@ def _in_time(deadline: float | None, done: int) -> None:
 def scan(root: str | os.PathLike, max_bytes: int, max_files: int, deadline: float | None = None) -> dict[str, _Entry]:
     """Every entry under ``root`` (relative path -> lstat facts), links never followed;
     apparent sizes and entry counts are checked against the quota as the walk goes, so an
-    oversized workspace is refused before anything is read or copied."""
+    oversized workspace is refused before anything is read or copied. Depth first, a
+    directory opened only when it is walked: at most ``MAX_DEPTH`` + 1 descriptors are open
+    at once, however many subdirectories a directory has (one per pending directory ran a
+    grader out of descriptors, and the grades beside it with it). An error reading the
+    tree is a refusal naming it."""
     out: dict[str, _Entry] = {}
-    total = 0
-    seen = 0  # every entry, the skipped caches' too: each costs the walk time and memory
-    top = _open_dir(os.fspath(root), None)
-    stack: list[tuple[int, str, int]] = [(top, "", 0)]
-    try:
-        while stack:
-            dfd, prefix, depth = stack.pop()
+    state = [0, 0]  # entries met (the skipped caches' too: each costs time), apparent bytes
+
+    def walk(dfd: int, prefix: str, depth: int) -> None:
+        subdirs = []
+        with os.scandir(dfd) as it:  # lazily: a directory of a million names is never a list
+            for e in it:
+                if state[0] >= max_files:
+                    raise Refused(f"the workspace has more than {max_files} entries (its quota)")
+                _in_time(deadline, state[0])
+                state[0] += 1
+                if _take(e, prefix, depth, out, state, max_bytes):
+                    subdirs.append(e.name)
+        for name in subdirs:
+            sub = _open_dir(name, dfd)
             try:
-                with os.scandir(dfd) as it:  # lazily: a directory of a million names is never a list
-                    for e in it:
-                        if seen >= max_files:
-                            raise Refused(f"the workspace has more than {max_files} entries (its quota)")
-                        _in_time(deadline, seen)
-                        seen += 1
-                        total = _take(e, prefix, depth, dfd, out, stack, total, max_bytes)
+                walk(sub, prefix + name + "/", depth + 1)
             finally:
-                os.close(dfd)
-    except BaseException:
-        for dfd, _, _ in stack:
-            os.close(dfd)
-        raise
+                os.close(sub)
+
+    try:
+        top = _open_dir(os.fspath(root), None)
+        try:
+            walk(top, "", 0)
+        finally:
+            os.close(top)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise Refused(f"{err.filename or 'an entry'} was replaced by a link while it was read") from None
+        raise Refused(f"the workspace cannot be read ({type(err).__name__}: {err.strerror})") from None
     return out
 
 
-def _take(e: os.DirEntry, prefix: str, depth: int, dfd: int, out: dict[str, _Entry],
-          stack: list[tuple[int, str, int]], total: int, max_bytes: int) -> int:
-    """One entry of :func:`scan`: recorded (a directory pushed to walk), or skipped if a
-    regenerated cache; returns the apparent bytes so far."""
+def _take(e: os.DirEntry, prefix: str, depth: int, out: dict[str, _Entry], state: list[int],
+          max_bytes: int) -> bool:
+    """One entry of :func:`scan`: recorded, or skipped if a regenerated cache; True for a
+    directory to walk."""
     rel = prefix + e.name
     st = e.stat(follow_symlinks=False)
     if stat.S_ISDIR(st.st_mode) and e.name in SKIP_DIRS or (
             stat.S_ISREG(st.st_mode) and e.name.endswith(SKIP_SUFFIXES)):
-        return total
-    total += st.st_size if not stat.S_ISDIR(st.st_mode) else 0
-    if total > max_bytes:
+        return False
+    state[1] += st.st_size if not stat.S_ISDIR(st.st_mode) else 0
+    if state[1] > max_bytes:
         raise Refused(f"the workspace holds over {max_bytes >> 20} MiB (apparent size), "
                       "over its quota")
     if len(rel) > MAX_PATH_CHARS:
@@ -164,8 +176,8 @@ def _take(e: os.DirEntry, prefix: str, depth: int, dfd: int, out: dict[str, _Ent
     if stat.S_ISDIR(st.st_mode):
         if depth + 1 > MAX_DEPTH:
             raise Refused(f"{rel}: directories nested over {MAX_DEPTH} deep")
-        stack.append((_open_dir(e.name, dfd), rel + "/", depth + 1))
-    return total
+        return True
+    return False
 
 
 def _kind(mode: int) -> str:
@@ -208,6 +220,10 @@ def extract(workspace: str | os.PathLike, pristine: str | os.PathLike, *, max_by
     def parent_fd(rel: str) -> int:
         d = os.path.dirname(rel)
         if d not in dir_fds:
+            # Only the directory's ancestors stay open (the entries come sorted, so a directory's
+            # files are read together): the cache never holds more than MAX_DEPTH descriptors.
+            for k in [k for k in dir_fds if k and not (d == k or d.startswith(k + "/"))]:
+                os.close(dir_fds.pop(k))
             dir_fds[d] = _open_dir(os.path.basename(d), parent_fd(d)) if d else _open_dir(workspace, None)
         return dir_fds[d]
 

@@ -67,6 +67,7 @@ class Grader:
 
     def __init__(self, sandbox: Sandbox, limits: Limits, workspace_root: str | None = None):
         self.sandbox, self.limits, self.workspace_root = sandbox, limits, workspace_root
+        raise_open_file_limit()
 
     async def grade(self, task: Task, workspace: str | os.PathLike) -> GradeResult:
         missing = {t: "missing" for t in task.required_tests}
@@ -175,6 +176,21 @@ class Grader:
         return verdict(task, data, nonce, canaries, res.describe(), ignored)
 
 
+def raise_open_file_limit() -> None:
+    """The soft limit on open descriptors raised to the hard one: every grade in flight holds
+    pipes and a walk's directory descriptors, and a process at the common default (1024)
+    fails the grades beside a workspace that takes many (an independent review made honest
+    grades in the same process FAIL that way)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # an infinite hard limit the kernel caps (nr_open)
+            pass
+
+
 def rewritten_by_pytest(rel: str, initpaths: set[str]) -> bool:
     """Whether pytest's assertion rewriter loads ``rel`` (the grader's ini keeps pytest's
     default ``python_files``): a conftest, a file named on the command line, a test file's
@@ -203,9 +219,11 @@ def _drain(fd: int, stop: threading.Event | None = None) -> bytes | None:
     give up (a process outside the sandbox still holds the write end, e.g. a fork of this
     one); the read never blocks, so the thread ends and the process can exit."""
     out: bytearray | None = bytearray()
+    poller = select.poll()  # not select(): a descriptor numbered past 1023 is refused there
+    poller.register(fd, select.POLLIN)
     while True:
         if stop is not None:
-            ready, _, _ = select.select([fd], [], [], 0.2)
+            ready = poller.poll(200)
             if not ready:
                 if stop.is_set():
                     return None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import secrets
 import shutil
 import subprocess
@@ -43,6 +44,13 @@ from megatron_tg.agent.tasks import Task, materialize, write_files
 HERE = Path(__file__).parent
 SUBJECT_FILES = {"subject.py": HERE / "calls_subject.py", "calls_wire.py": HERE / "calls_wire.py"}
 DRIVER_FILES = {"driver.py": HERE / "calls_driver.py", "calls_wire.py": HERE / "calls_wire.py"}
+OUTPUT_BYTES = 32 << 10
+"""Bytes of the test side's output kept at its head and at its tail (pytest's report; the rest
+is read and dropped)."""
+TEST_SIDE_MEMORY_MB = 1024
+"""Address space of the test side (python, pytest, the tests and what the tested code sends)."""
+TEST_SIDE_CPU_S = 120.0
+"""CPU seconds of the test side."""
 DRIVER_GRACE_S = 30.0
 """How long past the test run's wall-clock limit the test side may take (pytest's start and
 its report) before it is killed and the grade is a FAIL."""
@@ -116,6 +124,51 @@ def prepare(task: Task, workspace: Path, base: Path, limits: Limits):
     return ev, driver, task_modules(orig, task.pythonpath), canaries, ignored
 
 
+def _limit_test_side(pid: int) -> None:
+    """An address-space and a CPU-time limit on the test side (set from here right after it
+    starts, before it reads a frame), so no value the tested code sends (a frame that
+    parses big, a set whose hashes collide) can take more of the host than that."""
+    resource.prlimit(pid, resource.RLIMIT_AS, (TEST_SIDE_MEMORY_MB << 20,) * 2)
+    cpu = int(TEST_SIDE_CPU_S)
+    resource.prlimit(pid, resource.RLIMIT_CPU, (cpu, cpu + 5))
+
+
+async def _run_test_side(driver: Path, req_w: int, resp_r: int, timeout: float) -> str:
+    """Run the test side to its end (killed past ``timeout``); its output, bounded."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-B", str(driver / "driver.py"), str(driver / "config.json"),
+            cwd=str(driver / "tests"), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, pass_fds=(req_w, resp_r), start_new_session=True)
+    finally:
+        os.close(req_w)  # the test side holds its own copies now (or never started)
+        os.close(resp_r)
+    head, tail = bytearray(), bytearray()
+
+    async def pump():  # the head and the tail kept, the rest read and dropped: the pipe never fills
+        while chunk := await proc.stdout.read(1 << 16):
+            room = OUTPUT_BYTES - len(head)
+            if room > 0:
+                head.extend(chunk[:room])
+                chunk = chunk[room:]
+            tail.extend(chunk)
+            del tail[:-OUTPUT_BYTES]
+
+    def text(note: str = "") -> str:
+        return (head + (b"\n[...]\n" if tail else b"") + tail).decode("utf-8", "replace") + note
+
+    try:
+        _limit_test_side(proc.pid)
+        await asyncio.wait_for(asyncio.gather(pump(), proc.wait()), timeout=timeout)
+    except (asyncio.TimeoutError, OSError):
+        proc.kill()
+        await proc.wait()
+        return text("\n(the test side outlived its limit and was killed)")
+    return text()
+
+
 async def run(sandbox: Sandbox, limits: Limits, task: Task, workspace: Path, base: Path) -> GradeResult:
     """The verdict of a grade by calls (see module doc)."""
     ev, driver, modules, canaries, ignored = await asyncio.to_thread(prepare, task, workspace, base, limits)
@@ -139,16 +192,6 @@ async def run(sandbox: Sandbox, limits: Limits, task: Task, workspace: Path, bas
     subject = asyncio.ensure_future(sandbox.run(
         f"exec python -I -B {g_dir}/subject.py {g_dir}/config.json", ev, limits,
         pass_fds=[req_r, resp_w], readonly_workdir=True, binds=[Bind(str(base / "grader"), g_dir)] if isolated else []))
-    try:
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-               "PYTHONDONTWRITEBYTECODE": "1"}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-B", str(driver / "driver.py"), str(driver / "config.json"),
-            cwd=str(driver / "tests"), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, pass_fds=(req_w, resp_r), start_new_session=True)
-    finally:
-        os.close(req_w)  # the driver holds its own copies now (or never started)
-        os.close(resp_r)
 
     async def subject_done():
         try:
@@ -157,14 +200,12 @@ async def run(sandbox: Sandbox, limits: Limits, task: Task, workspace: Path, bas
             os.close(req_r)
             os.close(resp_w)
 
-    watcher = asyncio.ensure_future(subject_done())
+    watcher = asyncio.ensure_future(subject_done())  # awaited below whatever happens next
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=limits.wall_s + DRIVER_GRACE_S)
-        driver_out = out.decode("utf-8", "replace")
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        driver_out = "(the test side outlived its limit and was killed)"
+        driver_out = await _run_test_side(driver, req_w, resp_r, limits.wall_s + DRIVER_GRACE_S)
+    finally:
+        if not watcher.done():  # the test side failed to start: the tested side reads EOF and ends
+            await asyncio.wait([watcher], timeout=limits.wall_s + DRIVER_GRACE_S)
     res = await watcher
     data = report.read_bytes() if report.exists() else b""
     output = f"{res.describe()}\n--- tests ---\n{driver_out[-4000:]}"

@@ -471,9 +471,11 @@ RESULTS = {
     "is-palindrome-answers-a-truthy-object": "FAIL 2/2 (a handle has no truth value)",
     "chunk-raises-a-valueerror-stopiteration-hybrid": "FAIL 2/2 (the first asserts need lists)",
 }
-LEFT_OPEN = {"rle-round-trip-through-a-handle": "rle-round-trip-through-a-handle"}
-"""Graded PASS without implementing the task: a weakness of the rle task's hidden test (a
-direct comparison such as ``rle_encode("aab") == "a2b1"`` would close it), not of the wire."""
+LEFT_OPEN: dict[str, str] = {}
+"""Graded PASS without implementing the task on 8b16260: ``rle-round-trip-through-a-handle``, a
+weakness of the rle task's hidden test, not of the wire. Mended by the maintainers: the rle
+test compares encodings (``rle_encode("aab") == "a2b1"``), fizzbuzz's its whole list; both are
+graded FAIL by tests/agent/test_grading_calls.py."""
 HOST_SIDE = {
     "giant-exception-messages-flood-the-test-side-s-stdout":
         "cap the test side's stdout as execute() caps the sandbox's; truncate a remote message in "

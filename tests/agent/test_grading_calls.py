@@ -20,6 +20,7 @@ from megatron_tg.agent.grading_calls import task_modules
 from megatron_tg.agent.tasks import Task, TaskFormatError, builtin_tasks, write_files
 
 from . import test_grading_attacks as attacks
+from .hostile_review8 import ATTACKS as REVIEW8
 from .test_grading import LIMITS, TASK, grade
 
 CALLS = dataclasses.replace(TASK, grading="calls")
@@ -194,3 +195,91 @@ def test_grading_is_validated_in_task_files():
     with pytest.raises(TaskFormatError, match="grading: must be one of"):
         Task.from_dict({**d, "grading": "vibes"})
     json.dumps(Task.from_dict({**d, "grading": "calls"}).to_dict())
+
+
+# ---------------------------------------------------------------- the eighth review, by calls
+REVIEW8_CORRECT = {"directory-descriptors-exhaust-the-grader-s-fds",
+                   "descriptors-held-below-the-limit-starve-a-concurrent-grade"}
+"""Correct solutions beside a descriptor attack (tested with a lowered limit below)."""
+
+
+@pytest.mark.parametrize("name", [n for n in REVIEW8 if n not in REVIEW8_CORRECT])
+def test_the_eighth_review_s_solutions_are_graded_fail(grader, calls_task, name, tmp_path):
+    """Written against grading by calls (8b16260): the tampering ones were FAIL already; the
+    rle one passed on the task's weak hidden test (now it compares encodings); the costly ones
+    (a 16 MiB message per call, a 16 MiB frame of empty lists, a set of colliding hashes) now
+    end at the wire's bounds, within the wall-clock limit."""
+    import time
+
+    spec = REVIEW8[name]
+    task = CALLS if spec["task"] is None else next(t for t in builtin_tasks() if t.id == spec["task"])
+    monkey_task = attacks.TASK
+    attacks.TASK = task
+    try:
+        ctx: dict = {"sandbox": grader.sandbox}
+
+        def hook(fn):
+            return (lambda ws, host: fn(ws, ctx.setdefault("host", str(host)) and ctx)) if fn else None
+        t0 = time.monotonic()
+        g, host = attacks._grade_beside_a_host_victim(
+            grader, tmp_path, spec["files"], b"tgrv8", host_mode=0o777,
+            before_adopt=hook(spec["setup"]), after_adopt=hook(spec["after_adopt"]))
+        took = time.monotonic() - t0
+    finally:
+        attacks.TASK = monkey_task
+    assert not g.passed, (name, g.reason, g.output[-2000:])
+    assert took < grader.limits.wall_s and len(g.output) < 100_000, (took, len(g.output))
+
+
+def test_more_directories_than_descriptors_are_walked_and_grades_beside_it_pass(grader, tmp_path):
+    """The eighth review's EMFILE: the walk held a descriptor per pending directory, so a
+    workspace with more subdirectories than the limit failed its own grade and, in the same
+    process, honest grades beside it. Now the walk holds at most its depth: with the limit
+    lowered to 256, a correct add beside 600 directories passes, and so do 8 grades of the
+    correct add run at the same time."""
+    import asyncio
+    import resource
+    import tempfile
+
+    from megatron_tg.agent.sandbox import rmtree
+    from megatron_tg.agent.tasks import materialize
+
+    def workspace(extra_dirs: int) -> str:
+        ws = tempfile.mkdtemp(prefix="tg-test-fds-")
+        materialize(CALLS, ws)
+        write_files(ws, {"calc.py": attacks.CORRECT})
+        for i in range(extra_dirs):
+            (tmp_path.__class__(ws) / "d" / str(i)).mkdir(parents=True)
+        grader.sandbox.adopt(ws, ws)
+        return ws
+
+    spaces = [workspace(600)] + [workspace(0) for _ in range(8)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    async def all_grades():
+        return await asyncio.gather(*(grader.grade(CALLS, ws) for ws in spaces))
+    try:
+        grades = asyncio.run(all_grades())
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for ws in spaces:
+            rmtree(ws)
+    assert [g.passed for g in grades] == [True] * 9, [g.reason for g in grades]
+
+
+def test_a_call_cannot_stop_a_loop_of_the_test_s(grader):
+    """StopIteration raised by the tested code would end ``map()`` quietly (``all()`` of
+    nothing is True): from a call it arrives as another exception, so the test fails."""
+    task = dataclasses.replace(CALLS, hidden_files={"tests/test_add.py": (
+        "from calc import add\n\n\ndef test_small():\n    assert all(map(lambda p: add(*p) == sum(p), [(2, 3), (1, 1)]))\n\n\n"
+        "def test_negative():\n    assert add(-2, -3) == -5\n")})
+    g = grade(grader, {"calc.py": "def add(a, b):\n    raise StopIteration\n"}, task=task)
+    assert not g.passed and g.tests["tests/test_add.py::test_small"] == "failed", (g.reason, g.output[-1500:])
+    g = grade(grader, {"calc.py": attacks.CORRECT}, task=task)
+    assert g.passed, g.reason
+
+
+def test_a_huge_message_is_cut_before_pytest_prints_it(grader):
+    g = grade(grader, {"calc.py": "def add(a, b):\n    raise ValueError('x' * 3_000_000)\n"}, task=CALLS)
+    assert not g.passed and len(g.output) < 10_000 and "xxxx" in g.output, len(g.output)
