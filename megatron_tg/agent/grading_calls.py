@@ -23,13 +23,18 @@ The test side's records are read after both sides ended, with the grader's nonce
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import resource
 import secrets
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -117,8 +122,6 @@ def prepare(task: Task, workspace: Path, base: Path, limits: Limits):
                 os.chmod(os.path.join(root, n), 0o644)
     for name, src in SUBJECT_FILES.items():
         shutil.copyfile(src, grader / name)
-    for name, src in DRIVER_FILES.items():
-        shutil.copyfile(src, driver / name)
     for d in (grader, base, ev):
         os.chmod(d, 0o755)
     return ev, driver, task_modules(orig, task.pythonpath), canaries, ignored
@@ -133,40 +136,109 @@ def _limit_test_side(pid: int) -> None:
     resource.prlimit(pid, resource.RLIMIT_CPU, (cpu, cpu + 5))
 
 
-async def _run_test_side(driver: Path, req_w: int, resp_r: int, timeout: float) -> str:
-    """Run the test side to its end (killed past ``timeout``); its output, bounded."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-           "PYTHONDONTWRITEBYTECODE": "1"}
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-B", str(driver / "driver.py"), str(driver / "config.json"),
-            cwd=str(driver / "tests"), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, pass_fds=(req_w, resp_r), start_new_session=True)
-    finally:
-        os.close(req_w)  # the test side holds its own copies now (or never started)
-        os.close(resp_r)
-    head, tail = bytearray(), bytearray()
+class _Zygote:
+    """The test sides' fork server (:func:`calls_driver.serve`), one per grader process, started
+    on first use: pytest is imported there once, and each grade's test side is a fork of it.
+    It runs from a private copy of the driver's files, ends when this process's socket closes
+    (so also when this process dies), and is restarted if it is gone."""
 
-    async def pump():  # the head and the tail kept, the rest read and dropped: the pipe never fills
-        while chunk := await proc.stdout.read(1 << 16):
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.dir: Path | None = None
+
+    def _start(self) -> None:
+        self.close()
+        self.dir = Path(tempfile.mkdtemp(prefix="tg-calls-"))  # 0700: the grader's alone
+        for name, src in DRIVER_FILES.items():
+            shutil.copyfile(src, self.dir / name)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-B", str(self.dir / "driver.py"), "--serve", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=env, cwd=str(self.dir), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            theirs.close()
+        self.sock = ours
+
+    def spawn(self, cfg: dict, fds: list[int]) -> int:
+        """A test side started on ``cfg`` with ``fds`` (request write end, response read end,
+        output write end); its pid."""
+        with self.lock:
+            for _ in range(2):  # a zygote that died since the last grade is started again
+                if self.proc is None or self.proc.poll() is not None:
+                    self._start()
+                try:
+                    socket.send_fds(self.sock, [json.dumps(cfg).encode()], fds)
+                    answer = self.sock.recv(4096)
+                    if answer:
+                        return int(json.loads(answer)["pid"])
+                except OSError:
+                    pass
+                self.close()
+            raise RuntimeError("the test side could not be started (its zygote does not answer)")
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()  # the zygote reads its end and exits
+            self.sock = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+
+ZYGOTE = _Zygote()
+atexit.register(ZYGOTE.close)
+
+
+def _read_bounded(fd: int) -> str:
+    """The test side's output to its end (EOF: it exited), head and tail kept."""
+    head, tail = bytearray(), bytearray()
+    try:
+        while chunk := os.read(fd, 1 << 16):
             room = OUTPUT_BYTES - len(head)
             if room > 0:
                 head.extend(chunk[:room])
                 chunk = chunk[room:]
             tail.extend(chunk)
             del tail[:-OUTPUT_BYTES]
+    finally:
+        os.close(fd)
+    return (head + (b"\n[...]\n" if tail else b"") + tail).decode("utf-8", "replace")
 
-    def text(note: str = "") -> str:
-        return (head + (b"\n[...]\n" if tail else b"") + tail).decode("utf-8", "replace") + note
 
+async def _run_test_side(cfg: dict, req_w: int, resp_r: int, timeout: float) -> str:
+    """Run the test side to its end (killed past ``timeout``); its output, bounded."""
+    out_r, out_w = os.pipe()
     try:
-        _limit_test_side(proc.pid)
-        await asyncio.wait_for(asyncio.gather(pump(), proc.wait()), timeout=timeout)
+        pid = await asyncio.to_thread(ZYGOTE.spawn, cfg, [req_w, resp_r, out_w])
+    except BaseException:
+        os.close(out_r)
+        raise
+    finally:
+        for fd in (req_w, resp_r, out_w):  # the test side holds its own copies now (or never started)
+            os.close(fd)
+    reader = asyncio.ensure_future(asyncio.to_thread(_read_bounded, out_r))
+    try:
+        _limit_test_side(pid)
+        return await asyncio.wait_for(asyncio.shield(reader), timeout=timeout)
     except (asyncio.TimeoutError, OSError):
-        proc.kill()
-        await proc.wait()
-        return text("\n(the test side outlived its limit and was killed)")
-    return text()
+        try:
+            os.kill(pid, signal.SIGKILL)  # still running: its output has not ended
+        except ProcessLookupError:
+            pass
+        return await reader + "\n(the test side outlived its limit and was killed)"
 
 
 async def run(sandbox: Sandbox, limits: Limits, task: Task, workspace: Path, base: Path) -> GradeResult:
@@ -183,12 +255,11 @@ async def run(sandbox: Sandbox, limits: Limits, task: Task, workspace: Path, bas
     (base / "grader" / "config.json").write_text(json.dumps({
         "req_fd": req_r, "resp_fd": resp_w, "workspace": ev_in,
         "roots": [os.path.normpath(os.path.join(ev_in, p)) for p in task.pythonpath]}))
-    (driver / "config.json").write_text(json.dumps({
-        "req_fd": req_w, "resp_fd": resp_r, "nonce": nonce, "parent_pid": os.getpid(), "report": str(report), "modules": modules,
-        "tests": str(driver / "tests"), "roots": task.pythonpath, "timeout_s": limits.wall_s,
-        "pytest_args": ["-c", str(driver / "tests" / "pytest.ini"), f"--rootdir={driver / 'tests'}",
-                        "-p", "no:cacheprovider", "--import-mode=importlib", "-q",
-                        "-o", "console_output_style=classic", *test_files]}))
+    cfg = {"nonce": nonce, "report": str(report), "modules": modules,
+           "tests": str(driver / "tests"), "roots": task.pythonpath, "timeout_s": limits.wall_s,
+           "pytest_args": ["-c", str(driver / "tests" / "pytest.ini"), f"--rootdir={driver / 'tests'}",
+                           "-p", "no:cacheprovider", "--import-mode=importlib", "-q",
+                           "-o", "console_output_style=classic", *test_files]}
     subject = asyncio.ensure_future(sandbox.run(
         f"exec python -I -B {g_dir}/subject.py {g_dir}/config.json", ev, limits,
         pass_fds=[req_r, resp_w], readonly_workdir=True, binds=[Bind(str(base / "grader"), g_dir)] if isolated else []))
@@ -202,7 +273,7 @@ async def run(sandbox: Sandbox, limits: Limits, task: Task, workspace: Path, bas
 
     watcher = asyncio.ensure_future(subject_done())  # awaited below whatever happens next
     try:
-        driver_out = await _run_test_side(driver, req_w, resp_r, limits.wall_s + DRIVER_GRACE_S)
+        driver_out = await _run_test_side(cfg, req_w, resp_r, limits.wall_s + DRIVER_GRACE_S)
     finally:
         if not watcher.done():  # the test side failed to start: the tested side reads EOF and ends
             await asyncio.wait([watcher], timeout=limits.wall_s + DRIVER_GRACE_S)

@@ -385,7 +385,7 @@ from megatron_tg.agent.sandbox import Limits, Sandbox
 from megatron_tg.agent.tasks import materialize, write_files
 from tests.agent.test_grading import TASK
 TASK = dataclasses.replace(TASK, grading="GRADING")
-root = tempfile.mkdtemp(prefix="MARKER-driver")  # the grade's directories (the test side's script) carry it
+root = tempfile.mkdtemp(prefix="MARKER")  # the grade's directories carry it
 lim = Limits(wall_s=120, cpu_s=120, memory_mb=1024, max_procs=32)
 ws = tempfile.mkdtemp(prefix="tg-test-kill-")
 materialize(TASK, ws)
@@ -395,6 +395,35 @@ write_files(ws, {"calc.py": "import subprocess, sys, time\\n"
 print("READY", flush=True)
 asyncio.run(Grader(Sandbox("bwrap", limits=lim), lim, workspace_root=root).grade(TASK, ws))
 """
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _descendants(root: int) -> set[int]:
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                parents[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, frontier = set(), {root}
+    while frontier:
+        frontier = {q for q, pp in parents.items() if pp in frontier} - out
+        out |= frontier
+    return out
 
 
 def _with_marker(marker: str) -> list[int]:
@@ -412,7 +441,8 @@ def _with_marker(marker: str) -> list[int]:
 @pytest.mark.parametrize("grading", ["runner", "calls"])
 def test_a_grader_killed_mid_run_leaves_no_process_behind(sandbox, grading):
     """Neither the sandbox's processes nor, graded by calls, the test side (outside the
-    sandbox: it dies with the grader by its parent-death signal, and its channel closes)."""
+    sandbox, a fork of the grader's zygote: the zygote reads the end of its socket and exits,
+    and the fork dies with it by its parent-death signal)."""
     marker = f"tgleak{os.getpid()}x{time.monotonic_ns()}"
     script = KILL_SCRIPT.replace("MARKER", marker).replace("GRADING", grading)
     p = subprocess.Popen([sys.executable, "-c", script], env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"]},
@@ -423,16 +453,24 @@ def test_a_grader_killed_mid_run_leaves_no_process_behind(sandbox, grading):
             time.sleep(0.2)
         assert _with_marker(marker), p.stdout.read().decode() if p.poll() is not None else "no marker process"
         time.sleep(1.0)
-        if grading == "calls":  # the test side too (the grader's own command line holds the marker)
-            while not _with_marker(marker + "-driver") and time.monotonic() < deadline:
+        tree: set[int] = set()
+        if grading == "calls":  # the test side too: a fork of the zygote, both outside the sandbox
+            while time.monotonic() < deadline:
+                tree = _descendants(p.pid)
+                if any(b"--serve" in _cmdline(q) for q in tree) and len(
+                        [q for q in tree if b"--serve" in _cmdline(q)]) >= 2:  # the zygote and its fork
+                    break
                 time.sleep(0.2)
-            assert _with_marker(marker + "-driver"), "the test side never started"
+            assert len([q for q in tree if b"--serve" in _cmdline(q)]) >= 2, "the test side never started"
         p.send_signal(signal.SIGKILL)  # as the OOM killer or a scheduler would: no clean-up runs
         p.wait()
         deadline = time.monotonic() + 15
         while _with_marker(marker) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _with_marker(marker) == [], "processes of the killed grading are still alive"
+        while [q for q in tree if _alive(q)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [q for q in tree if _alive(q)], "the test side outlived the killed grader"
     finally:
         for pid in _with_marker(marker):
             os.kill(pid, signal.SIGKILL)
