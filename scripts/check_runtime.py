@@ -19,6 +19,7 @@ the venv that ``bash scripts/demo.sh`` built, before and after the quick demo).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -133,17 +134,21 @@ def check_grading() -> list[str]:
     limits = Limits(wall_s=60.0, cpu_s=30)
     grader = Grader(Sandbox("bwrap", limits=limits), limits)
     failures = []
-    for label, files, want in (("reference solution", task.privileged["reference"], True),
-                               ("starting files", {}, False)):
+    # both ways of running the tests: by calls (the built-in tasks') and by the runner (SWE rows')
+    for label, files, want, how in (("reference solution", task.privileged["reference"], True, "calls"),
+                                    ("starting files", {}, False, "calls"),
+                                    ("reference solution", task.privileged["reference"], True, "runner"),
+                                    ("starting files", {}, False, "runner")):
+        t = dataclasses.replace(task, grading=how)
         ws = tempfile.mkdtemp(prefix="tg-check-ws-")
         try:
-            materialize(task, ws)
+            materialize(t, ws)
             write_files(ws, files)
-            res = asyncio.run(grader.grade(task, ws))
+            res = asyncio.run(grader.grade(t, ws))
         finally:
             shutil.rmtree(ws, ignore_errors=True)
         verdict = "PASS" if res.passed else "FAIL"
-        print(f"check_runtime: grading {task.id} with its {label}: {verdict} {res.reason}".rstrip())
+        print(f"check_runtime: grading {task.id} by {how} with its {label}: {verdict} {res.reason}".rstrip())
         if res.passed is not want:
             failures.append(f"grading {task.id} with its {label} gave {verdict}, expected "
                             f"{'PASS' if want else 'FAIL'}: {res.reason} {res.output[-600:]}")
