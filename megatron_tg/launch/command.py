@@ -64,8 +64,7 @@ def _run_memory(args: argparse.Namespace) -> int:
     print()
     for line in timeplan.render(times) + ema_plan.render(plan.ema_time):
         print(line)
-    ckpt = timeplan.checkpoint_plan(cfg, lay["world_size"], plan.total_params,
-                                    max(times["train_s"], times["generate_s"]))
+    ckpt = timeplan.checkpoint_plan(cfg, lay["world_size"], plan.total_params, timeplan.step_seconds(times))
     print(timeplan.render_checkpoint(ckpt))
     refusal = plan.refusal()
     if refusal:

@@ -53,6 +53,8 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_tg.config import ConfigError, TGConfig
 from megatron_tg.launch import ema_plan
+from megatron_tg.launch.colocated_memory import colocated_roles
+from megatron_tg.launch.colocated_memory import layout_refusal as colocated_layout_refusal
 from megatron_tg.launch.engine_memory import engine_plan
 from megatron_tg.launch.memory_terms import (BF16, FP32, GIB, H100_MEMORY_GIB, KL_BLOCKS,
                                              ROUTING_IMBALANCE, RUNTIME_RESERVE_GIB, RolePlan)
@@ -304,15 +306,20 @@ class MemoryPlan:
     roles: dict[str, RolePlan]
     ema_time: dict[str, Any] | None = None
     """The gathered EMA expert's transfer time per step (:func:`ema_plan.ema_time`)."""
+    layout_refusal: str | None = None
+    """Why the layout cannot run as placed (colocated: :func:`colocated_memory.layout_refusal`)."""
 
     def refusal(self) -> str | None:
         """None when every role fits; else a sentence naming the largest term and its fix."""
+        if self.layout_refusal:
+            return self.layout_refusal
         for plan in self.roles.values():
             if not plan.fits():
                 big = plan.largest()
                 if plan.kv and plan.kv["rollouts_at_full_context"] < 1:
                     return (f"memory: an engine's KV cache holds {plan.kv['kv_tokens']:,} tokens, less "
-                            f"than one rollout of rollout.max_context_tokens: set {FIXES['kv_cache']}")
+                            f"than one rollout of rollout.max_context_tokens: set "
+                            f"{plan.fixes.get('kv_cache', FIXES['kv_cache'])}")
                 return (f"memory: the {plan.role} GPU needs {plan.total / GIB:.1f} GiB, more than "
                         f"{plan.usable_fraction:.0%} of {plan.capacity_gib:.1f} GiB; largest term {big} = "
                         f"{plan.terms[big] / GIB:.1f} GiB: set {plan.fixes.get(big, FIXES[big])}")
@@ -332,11 +339,17 @@ def memory_plan(cfg: TGConfig, recipe: str = "", world_size: int | None = None,
     dims = cfg.layout(world_size or cfg.parallel.default_world_size())
     counts = param_counts(arch)
     roles = {"train": train_plan(cfg, arch, dims)}
-    if cfg.rollout.engine == "sglang":
+    layout = None
+    if cfg.rollout.engine == "sglang" and cfg.rollout.placement == "colocated":
+        # one GPU, two phases: roles["train"] is the train phase, roles["engine"] the generate phase
+        roles = colocated_roles(cfg, arch, counts["total_params"], roles["train"], mem_fraction)
+        layout = colocated_layout_refusal(cfg, dims.world_size)
+    elif cfg.rollout.engine == "sglang":
         roles["engine"] = engine_plan(cfg, arch, counts["total_params"], mem_fraction)
     wb = BF16 if cfg.model.params_dtype == "bfloat16" else FP32
     return MemoryPlan(recipe, dims.describe(), counts["total_params"], counts["active_params"], roles,
-                      ema_time=ema_plan.ema_time(cfg, dims, planned_stage(cfg, arch, dims), wb))
+                      ema_time=ema_plan.ema_time(cfg, dims, planned_stage(cfg, arch, dims), wb),
+                      layout_refusal=layout)
 
 
 class DoesNotFit(ConfigError):
@@ -370,5 +383,5 @@ def launch_check(cfg: TGConfig, world_size: int, accel: str,
     times = timeplan.time_plan(cfg, plan)
     if checkpoint is not None:
         checkpoint.update(timeplan.checkpoint_plan(cfg, world_size, plan.total_params,
-                                                   max(times["train_s"], times["generate_s"])))
+                                                   timeplan.step_seconds(times)))
     return notes + [line.strip() for line in timeplan.render(times) + ema_plan.render(plan.ema_time)]

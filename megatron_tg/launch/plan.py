@@ -257,12 +257,20 @@ def engine_flags(r: RolloutConfig, engine: str = "sglang") -> list[str]:
     * ``rollout.sampling_seed`` set, SGLang only: ``--enable-deterministic-inference``. SGLang
       reads a request's ``sampling_seed`` only in that mode (batch-invariant kernels; without
       it the seed is ignored); the embedded engine honours seeds always and has no such flag.
+    * ``rollout.placement="colocated"``: ``--enable-memory-saver`` (release/resume), and for
+      SGLang ``--mem-fraction-static`` of :func:`~megatron_tg.launch.colocated_memory.colocated_mem_fraction`.
     """
     flags = []
     if r.routing_replay:
         flags.append("--enable-return-routed-experts")
     if r.sampling_seed is not None and engine == "sglang":
         flags.append("--enable-deterministic-inference")
+    if r.placement == "colocated":  # release/resume need the memory saver; the pool leaves the trainer room
+        flags.append("--enable-memory-saver")
+        if engine == "sglang":
+            from megatron_tg.launch.colocated_memory import colocated_mem_fraction
+
+            flags += ["--mem-fraction-static", str(colocated_mem_fraction(r))]
     return flags
 
 

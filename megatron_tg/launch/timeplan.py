@@ -42,6 +42,9 @@ ASSUMED_MFU = 0.12
 # replaces it, and the first GPU run must measure it.
 ENGINE_TOKENS_PER_S_30B = 1627.0
 ACTIVE_PARAMS_30B = 3.35e9
+# Host <-> GPU copies of the colocated offload (pinned buffers, PCIe Gen5 x16: 64 GB/s per
+# direction on paper); half of it assumed reachable. Not measured (docs/colocated.md).
+ASSUMED_PCIE_GBPS = 32.0
 # Judge transcripts: characters per token of English text and code (tiktoken-style BPE rule of
 # thumb); the judge truncates transcripts at judge.max_transcript_chars.
 CHARS_PER_TOKEN = 4.0
@@ -113,7 +116,16 @@ def time_plan(cfg: TGConfig, plan: SizedPlan, a: Assumptions = Assumptions()) ->
     sync_bytes = 2 * plan.total_params  # bf16, every parameter once per sync
     ckpt = checkpoint_bytes(cfg, plan.total_params)
     rates = {"train": train_s, "generate": gen_s}
+    colocated = None
+    if r.placement == "colocated":  # one GPU, phases in turn: the step is their sum
+        train_role = getattr(plan, "roles", {}).get("train")
+        moved = train_role.host.get("colocated_offload", 0.0) if train_role is not None else 0.0
+        swap_s = 2 * moved / (ASSUMED_PCIE_GBPS * 1e9)  # offload before generating, onload after
+        colocated = {"offload_bytes_per_gpu": moved, "offload_onload_s": round(swap_s, 1),
+                     "step_s": round(gen_s + swap_s + train_s, 1),
+                     "disaggregated_step_s": round(max(train_s, gen_s), 1), "pcie_gbps": ASSUMED_PCIE_GBPS}
     return {
+        "colocated": colocated,
         "rollouts_per_step": rollouts, "tokens_per_rollout": per_rollout,
         "train_tokens": train_tokens, "train_flops": train_flops, "train_s": round(train_s, 1),
         "generated_tokens": generated, "engine_tokens_per_s": round(eng_tps, 1),
@@ -157,6 +169,12 @@ def checkpoint_plan(cfg: TGConfig, world: int, total_params: int, step_s: float)
             "usr1_lead_s": int(math.ceil(lead / 10) * 10)}
 
 
+def step_seconds(t: dict[str, Any]) -> float:
+    """One step's seconds: the slower role disaggregated (they overlap), the sum of the
+    phases colocated (they take turns)."""
+    return t["colocated"]["step_s"] if t.get("colocated") else max(t["train_s"], t["generate_s"])
+
+
 def render(t: dict[str, Any]) -> list[str]:
     a = t["assumptions"]
     return [
@@ -169,7 +187,12 @@ def render(t: dict[str, Any]) -> list[str]:
         f"  sync      {t['sync_bytes'] / 1e9:.1f} GB per weight update; checkpoint "
         f"{t['checkpoint_bytes'] / 1e9:.1f} GB",
         f"  bottleneck: {t['bottleneck']}",
-    ]
+    ] + ([] if not t.get("colocated") else [
+        f"  colocated step: generate {t['generate_s']:,} s + offload/onload {t['colocated']['offload_onload_s']:,} s "
+        f"({t['colocated']['offload_bytes_per_gpu'] / 1e9:.1f} GB per GPU each way at an assumed "
+        f"{t['colocated']['pcie_gbps']:.0f} GB/s) + train {t['train_s']:,} s = {t['colocated']['step_s']:,} s "
+        f"(the same GPUs disaggregated into two roles would overlap them: max = "
+        f"{t['colocated']['disaggregated_step_s']:,} s at these rates); sync: CUDA IPC inside the node, not modelled"])
 
 
 def render_checkpoint(c: dict[str, Any]) -> str:
