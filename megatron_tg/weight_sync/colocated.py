@@ -102,6 +102,36 @@ def _held_bytes(infos: dict[str, Any]) -> dict[str, int]:
             for u, i in infos.items() if isinstance(i, dict) and isinstance(i.get("memory_occupation"), dict)}
 
 
+def _released(infos: dict[str, Any]) -> dict[str, list]:
+    """Each engine's released tags and KV-cache bytes, where it reports them (the embedded
+    engine's ``memory_occupation``; SGLang reports neither)."""
+    return {u: [sorted(i["memory_occupation"].get("released") or []), int(i["memory_occupation"]["kv_cache_bytes"])]
+            for u, i in infos.items() if isinstance(i, dict) and isinstance(i.get("memory_occupation"), dict)}
+
+
+def preflight(side: Any) -> str | None:
+    """Release and resume every engine's KV cache once, before the first step; None when it
+    worked, else what went wrong. Only the KV cache: resumed weights hold nothing until an
+    update writes them, and the first rollouts are generated on the engines' own weights.
+    An engine that refuses either call, or (where it reports them) still holds KV bytes after
+    the release or still lists the tag released after the resume, is found before any
+    rollout is generated, not a step later."""
+    try:
+        side.call(side.client.release_memory_occupation(["kv_cache"]))
+        held = _released(side.call(side.client.get_server_info(strict=True)))
+        side.call(side.client.resume_memory_occupation(["kv_cache"]))
+        back = _released(side.call(side.client.get_server_info(strict=True)))
+    except Exception as exc:  # noqa: BLE001 -- every rank stops with the reason
+        return f"rollout.placement='colocated': the engines' release/resume preflight failed: {exc}"
+    kept = {u: v for u, v in held.items() if v[1] or "kv_cache" not in v[0]}
+    if kept:
+        return f"rollout.placement='colocated': engines did not release their KV cache ([released tags, bytes]): {kept}"
+    stuck = {u: v[0] for u, v in back.items() if "kv_cache" in v[0]}
+    if stuck:
+        return f"rollout.placement='colocated': engines still list their KV cache released after resuming it: {stuck}"
+    return None
+
+
 class Colocated:
     """Engines on the trainer's GPUs (module docstring). Rank 0 drives the engines; every
     rank offloads and onloads its own state and takes part in the weight gathers."""
@@ -119,6 +149,8 @@ class Colocated:
             if bare:
                 error = (f"rollout.placement='colocated': engines {bare} run without "
                          f"--enable-memory-saver; releasing their memory would free nothing")
+            else:
+                error = preflight(side)
         self.urls = self._agree(error, urls)
 
     def _agree(self, error: str | None, value: Any = None) -> Any:
