@@ -202,24 +202,83 @@ ZYGOTE = _Zygote()
 atexit.register(ZYGOTE.close)
 
 
-def _read_bounded(fd: int) -> str:
-    """The test side's output to its end (EOF: it exited), head and tail kept."""
-    head, tail = bytearray(), bytearray()
-    try:
-        while chunk := os.read(fd, 1 << 16):
-            room = OUTPUT_BYTES - len(head)
-            if room > 0:
-                head.extend(chunk[:room])
-                chunk = chunk[room:]
-            tail.extend(chunk)
-            del tail[:-OUTPUT_BYTES]
-    finally:
-        os.close(fd)
-    return (head + (b"\n[...]\n" if tail else b"") + tail).decode("utf-8", "replace")
+class _Output:
+    """The test side's output, its head and tail kept (the rest read and dropped)."""
+
+    def __init__(self) -> None:
+        self.head, self.tail = bytearray(), bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        room = OUTPUT_BYTES - len(self.head)
+        if room > 0:
+            self.head.extend(chunk[:room])
+            chunk = chunk[room:]
+        self.tail.extend(chunk)
+        del self.tail[:-OUTPUT_BYTES]
+
+    def text(self, note: str = "") -> str:
+        return (self.head + (b"\n[...]\n" if self.tail else b"") + self.tail).decode("utf-8", "replace") + note
 
 
-async def _run_test_side(cfg: dict, req_w: int, resp_r: int, timeout: float) -> str:
-    """Run the test side to its end (killed past ``timeout``); its output, bounded."""
+class _TestSide:
+    """A running test side: its pid (held as a pidfd, so a signal never reaches another
+    process that reused the number) and its output, read on the event loop (no thread is
+    held for a grade's length: an independent review stalled honest grades for a minute by
+    holding every worker of the loop's default pool)."""
+
+    def __init__(self, pid: int, out_r: int) -> None:
+        try:
+            self.pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # already gone: its output ends at once
+            self.pidfd = None
+        self.pid, self.out_r, self.output = pid, out_r, _Output()
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                    os.fdopen(self.out_r, "rb", 0))
+        try:
+            while chunk := await reader.read(1 << 16):
+                self.output.add(chunk)
+        finally:
+            transport.close()  # closes the descriptor
+
+    def kill(self) -> None:
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    async def wait(self, timeout: float) -> str:
+        """Its output once it exited; killed past ``timeout``, or when this wait is cancelled
+        (the caller gave up on the grade: nothing of it keeps running)."""
+        reading = asyncio.ensure_future(self._read())
+        try:
+            _limit_test_side(self.pid)
+        except ProcessLookupError:  # it has already exited
+            pass
+        try:
+            await asyncio.wait_for(asyncio.shield(reading), timeout=timeout)
+            return self.output.text()
+        except (asyncio.TimeoutError, OSError):
+            self.kill()
+            await reading  # the pipe ends with the process
+            return self.output.text("\n(the test side outlived its limit and was killed)")
+        except BaseException:
+            self.kill()
+            reading.cancel()
+            raise
+        finally:
+            if self.pidfd is not None:
+                os.close(self.pidfd)
+                self.pidfd = None
+
+
+async def _start_test_side(cfg: dict, req_w: int, resp_r: int) -> _TestSide:
+    """The grade's test side, forked by the zygote; this process's copies of its descriptors
+    closed (it holds its own)."""
     out_r, out_w = os.pipe()
     try:
         pid = await asyncio.to_thread(ZYGOTE.spawn, cfg, [req_w, resp_r, out_w])
@@ -227,18 +286,9 @@ async def _run_test_side(cfg: dict, req_w: int, resp_r: int, timeout: float) -> 
         os.close(out_r)
         raise
     finally:
-        for fd in (req_w, resp_r, out_w):  # the test side holds its own copies now (or never started)
+        for fd in (req_w, resp_r, out_w):
             os.close(fd)
-    reader = asyncio.ensure_future(asyncio.to_thread(_read_bounded, out_r))
-    try:
-        _limit_test_side(pid)
-        return await asyncio.wait_for(asyncio.shield(reader), timeout=timeout)
-    except (asyncio.TimeoutError, OSError):
-        try:
-            os.kill(pid, signal.SIGKILL)  # still running: its output has not ended
-        except ProcessLookupError:
-            pass
-        return await reader + "\n(the test side outlived its limit and was killed)"
+    return _TestSide(pid, out_r)
 
 
 async def run(sandbox: Sandbox, limits: Limits, task: Task, workspace: Path, base: Path) -> GradeResult:
@@ -260,6 +310,12 @@ async def run(sandbox: Sandbox, limits: Limits, task: Task, workspace: Path, bas
            "pytest_args": ["-c", str(driver / "tests" / "pytest.ini"), f"--rootdir={driver / 'tests'}",
                            "-p", "no:cacheprovider", "--import-mode=importlib", "-q",
                            "-o", "console_output_style=classic", *test_files]}
+    try:  # the test side first: the tested side's wall clock starts when there is someone to call it
+        side = await _start_test_side(cfg, req_w, resp_r)
+    except BaseException:
+        os.close(req_r)
+        os.close(resp_w)
+        raise
     subject = asyncio.ensure_future(sandbox.run(
         f"exec python -I -B {g_dir}/subject.py {g_dir}/config.json", ev, limits,
         pass_fds=[req_r, resp_w], readonly_workdir=True, binds=[Bind(str(base / "grader"), g_dir)] if isolated else []))
@@ -271,12 +327,13 @@ async def run(sandbox: Sandbox, limits: Limits, task: Task, workspace: Path, bas
             os.close(req_r)
             os.close(resp_w)
 
-    watcher = asyncio.ensure_future(subject_done())  # awaited below whatever happens next
+    watcher = asyncio.ensure_future(subject_done())
     try:
-        driver_out = await _run_test_side(cfg, req_w, resp_r, limits.wall_s + DRIVER_GRACE_S)
-    finally:
-        if not watcher.done():  # the test side failed to start: the tested side reads EOF and ends
-            await asyncio.wait([watcher], timeout=limits.wall_s + DRIVER_GRACE_S)
+        driver_out = await side.wait(limits.wall_s + DRIVER_GRACE_S)
+    except BaseException:  # cancelled (or failed): the sandbox is killed too, not waited out
+        subject.cancel()
+        await asyncio.wait([watcher])
+        raise
     res = await watcher
     data = report.read_bytes() if report.exists() else b""
     output = f"{res.describe()}\n--- tests ---\n{driver_out[-4000:]}"

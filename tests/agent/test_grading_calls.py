@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -21,6 +22,7 @@ from megatron_tg.agent.tasks import Task, TaskFormatError, builtin_tasks, write_
 
 from . import test_grading_attacks as attacks
 from .hostile_review8 import ATTACKS as REVIEW8
+from .hostile_review9 import ATTACKS as REVIEW9
 from .test_grading import LIMITS, TASK, grade
 
 CALLS = dataclasses.replace(TASK, grading="calls")
@@ -283,3 +285,115 @@ def test_a_call_cannot_stop_a_loop_of_the_test_s(grader):
 def test_a_huge_message_is_cut_before_pytest_prints_it(grader):
     g = grade(grader, {"calc.py": "def add(a, b):\n    raise ValueError('x' * 3_000_000)\n"}, task=CALLS)
     assert not g.passed and len(g.output) < 10_000 and "xxxx" in g.output, len(g.output)
+
+
+# ---------------------------------------------------------------- the ninth review, by calls
+STALL = "import time\ntime.sleep(3600)\n\n\ndef add(a, b):\n    return a + b\n"
+
+
+def _workspace(files):
+    import tempfile
+
+    from megatron_tg.agent.tasks import materialize
+
+    ws = tempfile.mkdtemp(prefix="tg-test-r9-")
+    materialize(CALLS, ws)
+    write_files(ws, files)
+    return ws
+
+
+def test_a_cancelled_grade_leaves_no_process_running(grader):
+    """The ninth review: a grade the caller cancels (``wait_for``) kept running ~30 s and its
+    test side outlived the return. Now the cancel kills the test side and the sandbox before
+    it returns."""
+    import asyncio
+    import time
+
+    from megatron_tg.agent.sandbox import rmtree
+
+    from .test_grading_attacks import _alive, _descendants
+    ws = _workspace({"calc.py": STALL})
+    grader.sandbox.adopt(ws, ws)
+    before = _descendants(os.getpid())
+
+    async def cancelled():
+        task = asyncio.ensure_future(grader.grade(CALLS, ws))
+        await asyncio.sleep(2.0)  # the tested side is stalled in its import by now
+        grading = _descendants(os.getpid()) - before
+        t0 = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return grading, time.monotonic() - t0
+    try:
+        grading, took = asyncio.run(cancelled())
+    finally:
+        rmtree(ws)
+    from megatron_tg.agent.grading_calls import ZYGOTE
+
+    grading.discard(ZYGOTE.proc.pid)  # the grader's own fork server lives on, by design
+    assert grading, "no process of the grade was seen"
+    assert took < 5.0, took
+    assert not [p for p in grading if _alive(p)], "a process of the cancelled grade is still running"
+
+
+def test_stalled_grades_do_not_hold_up_honest_ones(grader):
+    """The ninth review: six stalled grades held every worker of the loop's default pool (each
+    grade's output read in a thread), and honest grades beside them waited ~28 s. Now the
+    output is read on the loop: two correct grades started beside eight stalled ones finish
+    in a few seconds, long before the stalled ones time out."""
+    import asyncio
+    import time
+
+    from megatron_tg.agent.sandbox import rmtree
+
+    stalled = [_workspace({"calc.py": STALL}) for _ in range(8)]
+    honest = [_workspace({"calc.py": attacks.CORRECT}) for _ in range(2)]
+    for ws in stalled + honest:
+        grader.sandbox.adopt(ws, ws)
+
+    async def group():
+        slow = [asyncio.ensure_future(grader.grade(CALLS, ws)) for ws in stalled]
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        good = await asyncio.gather(*(grader.grade(CALLS, ws) for ws in honest))
+        took = time.monotonic() - t0
+        for t in slow:
+            t.cancel()
+        await asyncio.gather(*slow, return_exceptions=True)
+        return good, took
+    try:
+        good, took = asyncio.run(group())
+    finally:
+        for ws in stalled + honest:
+            rmtree(ws)
+    assert [g.passed for g in good] == [True, True], [g.reason for g in good]
+    assert took < grader.limits.wall_s / 2, took
+
+
+REVIEW9_PASS = {"non-utf8-file-names-beside-a-correct-add", "deep-chain-of-unreadable-directories"}
+"""Correct adds beside an attack on what carries the grade or on the walk: they pass."""
+REVIEW9_GROUPS = {"stalled-group-holds-every-executor-worker", "two-waves-of-stalls-around-an-honest-grade",
+                  "grade-cancelled-by-the-caller-while-the-tested-side-stalls"}
+"""Tested above on their own (stalled grades beside honest ones; a cancelled grade)."""
+
+
+@pytest.mark.parametrize("name", [n for n in REVIEW9 if n not in REVIEW9_GROUPS])
+def test_the_ninth_review_s_solutions_are_graded_by_what_their_add_does(grader, calls_task, name, tmp_path):
+    """Written against 3e80a3e's grading by calls: none passed without implementing the task.
+    FAIL unless the add is correct; the reason and metadata encode, no host file changes, no
+    process of the grade outlives it."""
+    spec = REVIEW9[name]
+    if spec["task"] is not None:  # the reviews' harness grades attacks.TASK
+        attacks.TASK = next(t for t in builtin_tasks() if t.id == spec["task"])
+    ctx: dict = {"sandbox": grader.sandbox}
+
+    def hook(fn):
+        return (lambda ws, host: fn(ws, ctx.setdefault("host", str(host)) and ctx)) if fn else None
+    g, host = attacks._grade_beside_a_host_victim(
+        grader, tmp_path, spec["files"], b"tgrv9", host_mode=0o777,
+        before_adopt=hook(spec["setup"]), after_adopt=hook(spec["after_adopt"]))
+    if spec["host_check"]:
+        assert spec["host_check"](None, {**ctx, "host": str(host)}) is None
+    assert g.passed is (name in REVIEW9_PASS), (name, g.reason, g.output[-2000:])
+    json.dumps(g.metadata(), ensure_ascii=False).encode()

@@ -351,3 +351,61 @@ def test_pipeline_sync_is_bit_exact_on_every_engine(checkpoint_engines, world, l
             bound = 3 * r["largest"] + (BUCKET if rank == 0 else 0)
             print(f"{layout} rank {rank}: peak extra {r['peak']} B; bound {bound} B")
             assert 0 < r["peak"] <= bound, (layout, rank)
+
+
+def _push_tensor_fn(rank, world, state, hf_cfg, urls):
+    """Colocated's way (weight_sync/colocated.py: Colocated.sync): every rank takes part in the
+    HF gathers, rank 0 sends each engine its tensors with /update_weights_from_tensor; checked
+    by the weight checker as the distributed sync is."""
+    from types import SimpleNamespace
+
+    from megatron_tg.models.qwen3_moe import Qwen3Arch, build_model
+    from megatron_tg.models.qwen3_moe.mapping import current_layout, load_hf_weights
+    from megatron_tg.parallel.state import init_parallel
+    from megatron_tg.rollout.client import SGLangClient
+    from megatron_tg.weight_sync.sync import iter_hf_weights, verify_coverage
+
+    ctx = init_parallel(tp=2, ep=2, etp=1)
+    arch = Qwen3Arch.from_hf(hf_cfg)
+    model = build_model(arch, tp=2, ep=2, etp=1)
+    load_hf_weights(model, state, arch, current_layout(model=model))
+    if rank != 0:  # the gathers only: once per engine (verify_coverage pushes once)
+        for _ in range(len(urls)):
+            for _ in iter_hf_weights(model, arch, ctx):
+                pass
+        return None
+    sent: list[tuple[str, list[int]]] = []
+
+    async def sync():
+        async with SGLangClient(urls, timeout_s=60) as client:
+            await client.pause_generation(mode="retract")
+
+            async def push():
+                for url in urls:
+                    def named():
+                        for name, t in iter_hf_weights(model, arch, ctx):
+                            sent.append((name, list(t.shape)))
+                            yield name, t
+                    await client.send_weights_from_tensor(url, named(), bucket_bytes=1 << 20, weight_version="5")
+
+            await verify_coverage(client, SimpleNamespace(servers=urls), push)  # raises naming a wrong tensor
+            await client.continue_generation()
+            return await client.get_weight_version()
+
+    versions = asyncio.run(sync())
+    return dict(versions=versions, sent=sent)
+
+
+def test_update_from_tensor_at_tp2_ep2_is_bit_exact_on_every_engine(checkpoint_engines):
+    """The colocated path at TP 2 x EP 2 into two engines: the tensors rank 0 serialises carry
+    exactly the checkpoint's HF names and shapes (the names SGLang's Qwen3-MoE loader maps: it
+    loads HF checkpoints), each once per engine, and every engine weight is bit-equal
+    to the checkpoint afterwards (the weight checker compares each against its snapshot)."""
+    cfg, _, state = tiny_hf_model(seed=0, num_hidden_layers=4)
+    urls = [e.url for e in checkpoint_engines]
+    outs = run_distributed(_push_tensor_fn, 4, state, cfg.to_dict(), urls)
+    sender = outs[0]
+    assert list(sender["versions"].values()) == ["5", "5"], sender["versions"]
+    assert len(sender["sent"]) == len(urls) * len(state)  # checksum -> reset -> send -> checksum
+    assert sorted(set(map(tuple, [(n, tuple(s)) for n, s in sender["sent"]]))) == \
+        sorted((n, tuple(t.shape)) for n, t in state.items())
