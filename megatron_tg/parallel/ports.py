@@ -18,9 +18,11 @@ from pathlib import Path
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 # Linux's default ephemeral range, where the file cannot be read.
 _DEFAULT_EPHEMERAL = (32768, 60999)
-# Below 10000 sit many well-known services; above it, up to the ephemeral range, the kernel
-# assigns nothing by itself.
-_LOW = 10000
+# Below 10000 sit many well-known services; from 10000 to 21199 the tests' Slurm cluster and
+# its jobs take fixed port ranges (tests/slurm/conftest.py), which a random draw must not hit
+# before their servers bind; above that, up to the ephemeral range, the kernel assigns
+# nothing by itself.
+_LOW = 21200
 
 
 def ephemeral_range() -> tuple[int, int]:

@@ -30,6 +30,9 @@ APT = "apt-get install -y slurm-wlm munge"
 def _ports_free(ports) -> bool:
     for port in ports:
         with socket.socket() as s:
+            # as the servers bind (ThreadingHTTPServer, slurmctld): a port in TIME_WAIT after an
+            # earlier job's server is free to them
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
@@ -87,7 +90,7 @@ def slurm_cluster() -> Cluster:
         pytest.skip("the local Slurm controller needs root (slurmd starts steps as the submitting user)")
     # Not under pytest's tmp dir: that is private to root, and munged runs as user munge.
     state = Path(tempfile.mkdtemp(prefix="megatron-tg-slurm-"))
-    base = _free_base(17200, NODES + 1, 50)
+    base = _free_base(17200, NODES + 1, 50)  # below free_port's draws and the ephemeral range
     args = [str(CLUSTER_SH), "--state-dir", str(state), "--nodes", str(NODES), "--port-base", str(base)]
     started = subprocess.run(["bash", args[0], "start", *args[1:]], capture_output=True, text=True)
     env = {**os.environ, "SLURM_CONF": str(state / "etc" / "slurm.conf")}
@@ -102,12 +105,16 @@ def slurm_cluster() -> Cluster:
 
 # Each job gets its own PORT_BASE (the plan offsets every port from it by up to ~2,600):
 # the emulated nodes share one address, and a torn-down server's port may linger briefly.
+# The bases sit below the kernel's ephemeral range (32768-60999 here) and below free_port's
+# draws (21200 and up): a port in the ephemeral range can be handed to any outgoing
+# connection between the check below and the job's server binding it (measured: a job's
+# rollout service failed with EADDRINUSE on 48800 in CI).
 _job_slots = iter(range(10_000))
-
+JOB_BASES = (10000, 11600, 13200, 14800, 18000, 19600)  # each uses base..base+1507; the cluster sits at 17200+
 
 def _job_port_base() -> int:
     for _ in range(12):
-        base = 30000 + 3000 * (next(_job_slots) % 11)
+        base = JOB_BASES[next(_job_slots) % len(JOB_BASES)]
         if _ports_free([base, base + 100, base + 500, base + 600, *range(base + 1500, base + 1508)]):
             return base
     raise RuntimeError("no free port range for a job")
