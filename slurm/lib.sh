@@ -142,9 +142,10 @@ tg_start_step() {  # step index [command...]; defaults to slurm/task.sh for serv
          --ntasks="${TG_STEP_NTASKS[i]}" --ntasks-per-node="${TG_STEP_TASKS_PER_NODE[i]}")
   # GPUs: per task for engines packed on a node (Slurm binds each task to its own), per node
   # for the trainer (rank = SLURM_LOCALID picks the device) and node-spanning servers, none
-  # for CPU-only helpers. Slurm 22.05's --overlap shares GPUs too, so only GPU-less steps
-  # overlap, and they must say --gpus-per-node=0 (--gres=none is rejected when the job
-  # asked for --gpus-per-node).
+  # for CPU-only helpers. Slurm 22.05's --overlap shares GPUs too, so disaggregated, only
+  # GPU-less steps overlap, and they must say --gpus-per-node=0 (--gres=none is rejected when
+  # the job asked for --gpus-per-node). Colocated, the engines' and the trainer's steps both
+  # take --gpus-per-node and --overlap: they share the node's GPUs, taking turns.
   if [ "${TG_STEP_GPUS_PER_TASK[i]}" -gt 0 ]; then
     args+=(--gpus-per-task="${TG_STEP_GPUS_PER_TASK[i]}")
   elif [ "${TG_STEP_GPUS_PER_NODE[i]}" -gt 0 ]; then

@@ -22,7 +22,7 @@ set -euo pipefail
 
 # Filled by the plan; declared here so a missing entry fails loudly under set -u.
 TG_STEP_FIRST=() TG_SERVER_NAME=() TG_SERVER_ROLE=() TG_SERVER_PORT=() TG_SERVER_GPUS=()
-TG_SERVER_LOG=() TG_SERVER_DIST=() TG_SERVER_NNODES=() TG_ENGINE_URLS=() TG_ENGINE_ARGS=()
+TG_SERVER_LOG=() TG_SERVER_DIST=() TG_SERVER_NNODES=() TG_SERVER_BASE_GPU=() TG_ENGINE_URLS=() TG_ENGINE_ARGS=()
 TG_SERVICE_ARGS=() TG_ROUTER_ARGS=() TG_ENGINE="" TG_ENGINE_MODEL="" TG_JUDGE_MODEL="" TG_JUDGE_NAME="" TG_KEY_FILE="" TG_SGLANG_AUTH=""
 # shellcheck source=/dev/null
 source "$TG_JOB_DIR/plan.env"
@@ -46,6 +46,9 @@ case "${TG_SERVER_ROLE[i]}" in
     if [ "$TG_ENGINE" = sglang ]; then
       read -r -a cmd <<<"${ENGINE_CMD:-$py -m sglang.launch_server}"
       args=(--model-path "$TG_ENGINE_MODEL" --tp-size "${TG_SERVER_GPUS[i]}" "${multi[@]}")
+      # Colocated engines see every GPU of their node (shared with the trainer's step): each
+      # starts at its own, the GPUs of the trainer ranks that write its weights.
+      if [ "${TG_SERVER_BASE_GPU[i]}" -gt 0 ]; then args+=(--base-gpu-id "${TG_SERVER_BASE_GPU[i]}"); fi
     else
       read -r -a cmd <<<"${ENGINE_CMD:-$py -m megatron_tg.rollout.engine}"
       args=(--model "$TG_ENGINE_MODEL")

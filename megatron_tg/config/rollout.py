@@ -32,8 +32,10 @@ class RolloutConfig:
     loads its state back, trains, puts its state aside, the engines resume their weights and
     receive the new ones through ``/update_weights_from_tensor`` (bucketed, SGLang's
     ``flattened_bucket`` format), then resume their KV cache and generate. Needs
-    ``max_staleness=0``, ``service="in_process"``, ``engine_tp=1``, and engines started with
-    ``--enable-memory-saver`` (the embedded engines this process starts get it)."""
+    ``max_staleness=0``, ``engine_tp=1``, and engines started with ``--enable-memory-saver``
+    (the embedded engines this process or its rollout service starts get it). With a rollout
+    service (``service`` local or remote) the service generates and judges; trainer rank 0
+    still releases, resumes and writes the engines itself."""
 
     server_urls: List[str] = field(default_factory=list)
     """Base URLs of already running SGLang servers. Empty = start ``num_engines`` of them."""
@@ -299,10 +301,6 @@ class RolloutConfig:
         if self.max_staleness != 0:  # generation and training take turns on the same GPUs
             raise ConfigError(f"rollout.max_staleness: must be 0 with {why} (the engines cannot "
                               f"generate while the trainer trains on their GPUs); got {self.max_staleness}")
-        if self.service != "in_process":  # rank 0 itself releases, resumes and writes the engines
-            raise ConfigError(f"rollout.service: must be 'in_process' with {why} (trainer rank 0 "
-                              f"releases and resumes the engines and hands them its tensors); "
-                              f"got {self.service!r}")
         if self.engine_tp != 1:  # which trainer rank sends which engine rank's payload: not built
             raise ConfigError(f"rollout.engine_tp: must be 1 with {why} (the mapping of engine TP "
                               f"ranks to the trainer ranks on their GPUs is not built; "

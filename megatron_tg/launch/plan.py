@@ -13,7 +13,9 @@ script, so it is the first trainer node and MASTER_ADDR is local to it):
 * ``engine``: rollout servers of ``rollout.engine_tp`` GPUs each, packed ``gpus_per_node //
   engine_tp`` to a node; an engine wider than a node spans ``engine_tp // gpus_per_node``
   nodes (multi-node SGLang). Only when the recipe wants servers (``rollout.engine: sglang``
-  and no ``rollout.server_urls``).
+  and no ``rollout.server_urls``). With ``rollout.placement: colocated`` they take no nodes
+  of their own: they run on the trainer's nodes, sharing its GPUs (``srun --overlap`` for
+  both steps; engine ``k`` of a node on local GPUs ``k * engine_tp ..``).
 * ``router``: an sglang-router in front of the engines, CPU-only, sharing the first rollout
   node (``srun --overlap``).
 * ``judge``:  an OpenAI-compatible judge server on its own node(s), when the rubric has
@@ -86,7 +88,7 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
     service_url, service_args = _place_service(cfg, knobs, by_role, addr_of, servers, steps, train_args,
                                                notes)
     _add_step(steps, servers, knobs, "tg-train", "train", train_hosts, z.gpn,
-              gpus_per_node=z.gpn if z.accel == "gpu" else 0)
+              gpus_per_node=z.gpn if z.accel == "gpu" else 0, overlap=z.colocated)
     if service_url:
         train_args += ["rollout.service=remote", f"rollout.service_url={service_url}"]
     want, engine = z.want_engines, z.engine
@@ -103,7 +105,7 @@ def make_plan(recipe: str, overrides: Sequence[str] = (), knobs: Knobs = Knobs()
         router_args=router_health(cfg).flags() if router_url else [],
         service_url=service_url, service_args=service_args, servers=servers, steps=steps,
         train_args=train_args, notes=notes, blockers=blockers, key_file=key_file, sglang_auth=sglang_auth,
-        timeouts=cfg.timeouts.table(cfg), checkpoint=z.checkpoint)
+        timeouts=cfg.timeouts.table(cfg), checkpoint=z.checkpoint, colocated=z.colocated)
 
 
 def _assign_hosts(z: Sizes, knobs: Knobs) -> tuple[list[str], list[str], dict[str, list[str]]]:
@@ -140,7 +142,8 @@ def _place_rollout(cfg: TGConfig, z: Sizes, knobs: Knobs, by_role: dict[str, lis
     if not z.want_engines:
         return servers, steps, engine_urls, ""
     r, tp, per_node, span = cfg.rollout, cfg.rollout.engine_tp, z.per_node, z.span
-    rollout_hosts = by_role["rollout"]
+    # colocated: the engines take turns with the trainer on its nodes' GPUs
+    rollout_hosts = by_role["train"] if z.colocated else by_role["rollout"]
     job_dir = knobs.job_dir.rstrip("/")
     port = {k: knobs.port_base + off for k, off in PORT_OFFSETS.items()}
     gpu = z.accel == "gpu"
@@ -153,8 +156,17 @@ def _place_rollout(cfg: TGConfig, z: Sizes, knobs: Knobs, by_role: dict[str, lis
         eh = rollout_hosts[node:node + span]
         servers.append(Server(name=f"engine{e}", role="engine", hosts=eh, addr=addr_of[eh[0]],
                               port=port["engine"] + e, gpus=tp, log=f"{job_dir}/logs/engine{e}.log",
-                              dist=f"{addr_of[eh[0]]}:{port['engine_dist'] + 10 * e}" if span > 1 else ""))
-    if per_node:
+                              dist=f"{addr_of[eh[0]]}:{port['engine_dist'] + 10 * e}" if span > 1 else "",
+                              base_gpu=(e % per_node) * tp if z.colocated else 0))
+    if per_node and z.colocated:
+        # Each task sees every GPU of its node (--gpus-per-node), shared with the trainer's step
+        # (--overlap), and starts at its base GPU: engine k's TP rank r on local GPU k*tp + r,
+        # the GPU of the trainer rank that writes that rank's weights (docs/colocated.md).
+        for k, h in enumerate(rollout_hosts):
+            _add_step(steps, servers, knobs, f"tg-engines-{h}", "engine", [h], per_node,
+                      first=k * per_node, serves=per_node, gpus_per_node=z.gpn if gpu else 0,
+                      overlap=True)
+    elif per_node:
         for k, h in enumerate(rollout_hosts):
             _add_step(steps, servers, knobs, f"tg-engines-{h}", "engine", [h], per_node,
                       first=k * per_node, serves=per_node, gpus_per_task=tp if gpu else 0)

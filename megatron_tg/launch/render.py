@@ -34,6 +34,7 @@ def render_text(plan: Plan) -> str:
                + (f"; weight-sync group at {plan.sync_master}" if plan.sync_master else ""))
     if plan.engine:
         out.append(f"engines: {plan.engine}, tp {plan.engine_tp}, model {plan.engine_model}"
+                   + (", colocated on the trainer's GPUs" if plan.colocated else "")
                    + (f", flags {' '.join(plan.engine_args)}" if plan.engine_args else ""))
     if plan.router_url:
         out.append(f"router: {plan.router_url}, health flags {' '.join(plan.router_args)}")
@@ -102,7 +103,8 @@ def render_env(plan: Plan) -> str:
         ("TG_JUDGE_MODEL", plan.judge_model), ("TG_ENGINE", plan.engine),
         ("TG_ENGINE_MODEL", plan.engine_model), ("TG_SERVICE_URL", plan.service_url),
         ("TG_USR1_LEAD", plan.checkpoint.get("usr1_lead_s", "")),
-        ("TG_KEY_FILE", plan.key_file), ("TG_SGLANG_AUTH", plan.sglang_auth))]
+        ("TG_KEY_FILE", plan.key_file), ("TG_SGLANG_AUTH", plan.sglang_auth),
+        ("TG_COLOCATED", int(plan.colocated)))]
     lines.append(array("TG_TRAIN_HOSTS", plan.roles["train"]))
     lines.append(array("TG_ROLLOUT_HOSTS", plan.roles["rollout"]))
     lines.append(array("TG_JUDGE_HOSTS", plan.roles["judge"]))
@@ -117,7 +119,7 @@ def render_env(plan: Plan) -> str:
     lines.append(array("TG_STEP_NODELIST", [",".join(s.hosts) for s in plan.steps]))
     lines.append(array("TG_STEP_NNODES", [len(s.hosts) for s in plan.steps]))
     lines.append(array("TG_STEP_OVERLAP", [int(s.overlap) for s in plan.steps]))
-    for attr in ("name", "role", "addr", "port", "gpus", "log", "dist", "url", "step"):
+    for attr in ("name", "role", "addr", "port", "gpus", "log", "dist", "url", "step", "base_gpu"):
         lines.append(array(f"TG_SERVER_{attr.upper()}", [getattr(s, attr) for s in plan.servers]))
     lines.append(array("TG_SERVER_HOST", [s.hosts[0] for s in plan.servers]))
     lines.append(array("TG_SERVER_NNODES", [len(s.hosts) for s in plan.servers]))

@@ -38,6 +38,8 @@ class Sizes:
     start_judge: bool
     judge_needed: bool
     judge_why: str
+    colocated: bool = False
+    """The engines run on the trainer's nodes and GPUs (``rollout.placement="colocated"``)."""
     checkpoint: dict = field(default_factory=dict)
     """The checkpoint plan (GPU plans whose model config is here): size, save and step time,
     the USR1 lead time they need."""
@@ -98,7 +100,10 @@ def size_roles(cfg: TGConfig, knobs: Knobs, notes: list[str]) -> Sizes:
         notes.append(f"JUDGE_NODES/JUDGE_MODEL ignored: no judge server to start "
                      f"({'external endpoint' if external_judge else judge_why})")
 
-    if not want_engines:
+    colocated = want_engines and r.placement == "colocated"
+    if colocated:  # the engines share the trainer's nodes and GPUs: no rollout nodes
+        rollout_nodes = _colocated_engines(r, knobs, train_nodes, gpn, per_node, span)
+    elif not want_engines:
         rollout_nodes = 0
         if knobs.rollout_nodes:
             raise PlanError(f"rollout: {knobs.rollout_nodes} rollout nodes asked for, but the recipe "
@@ -110,7 +115,7 @@ def size_roles(cfg: TGConfig, knobs: Knobs, notes: list[str]) -> Sizes:
         rollout_nodes = knobs.nodes - train_nodes - judge_nodes  # the rest; checked below
     else:
         rollout_nodes = recipe_rollout
-    if want_engines and (rollout_nodes < min_rollout or rollout_nodes % span):
+    if want_engines and not colocated and (rollout_nodes < min_rollout or rollout_nodes % span):
         need = f"a multiple of {span}" if span > 1 else "at least 1"
         source = ("ROLLOUT_NODES" if knobs.rollout_nodes is not None else
                   f"what {knobs.nodes} nodes leave after train {train_nodes} + judge {judge_nodes}")
@@ -126,7 +131,25 @@ def size_roles(cfg: TGConfig, knobs: Knobs, notes: list[str]) -> Sizes:
     return Sizes(gpn=gpn, accel=accel, train_nodes=train_nodes, world=world, dims=dims,
                   want_engines=want_engines, engine=engine, per_node=per_node, span=span,
                   rollout_nodes=rollout_nodes, judge_nodes=judge_nodes, start_judge=start_judge,
-                  judge_needed=needed, judge_why=judge_why, checkpoint=checkpoint)
+                  judge_needed=needed, judge_why=judge_why, checkpoint=checkpoint, colocated=colocated)
+
+
+def _colocated_engines(r, knobs: Knobs, train_nodes: int, gpn: int, per_node: int, span: int) -> int:
+    """Colocated engines take no nodes of their own (returns 0): one engine TP rank on each
+    trainer GPU, so an engine fits one node and the engines fill the trainer's GPUs exactly."""
+    why = "rollout.placement='colocated' (the engines run on the trainer's GPUs)"
+    if knobs.rollout_nodes:
+        raise PlanError(f"rollout: {knobs.rollout_nodes} rollout nodes asked for (ROLLOUT_NODES), "
+                        f"but {why}: leave ROLLOUT_NODES unset")
+    if span > 1:
+        raise PlanError(f"rollout: rollout.engine_tp={r.engine_tp} spans {span} nodes of {gpn} GPUs, "
+                        f"but {why}: an engine must fit one node (engine_tp <= {gpn})")
+    engines = train_nodes * per_node
+    if r.num_engines != engines:
+        raise PlanError(f"rollout: rollout.num_engines={r.num_engines}, but {why}: {train_nodes} "
+                        f"trainer nodes x {gpn} GPUs hold {engines} engines of rollout.engine_tp="
+                        f"{r.engine_tp}; set rollout.num_engines={engines}")
+    return 0
 
 
 def _memory_check(cfg: TGConfig, world: int, accel: str, checkpoint: dict) -> list[str]:

@@ -85,6 +85,10 @@ class Server:
     """host:port where the ranks of a multi-node server meet (SGLang --dist-init-addr)."""
     step: int = -1
     """Index of the step that runs it (whose death means it will never become healthy)."""
+    base_gpu: int = 0
+    """Its first GPU among those its task sees (SGLang ``--base-gpu-id``): 0 when Slurm binds
+    the engine's own GPUs to its task; colocated engines see the whole node, and engine ``k``
+    of a node starts at ``k * engine_tp``, the GPUs of the trainer ranks that write it."""
 
     @property
     def url(self) -> str:
@@ -104,8 +108,9 @@ class Step:
     gpus_per_task: int = 0
     gpus_per_node: int = 0
     overlap: bool = False
-    """Shares its node with another step (CPU-only helpers). Slurm 22.05's --overlap also
-    shares GPUs, so GPU steps never use it and never share a node."""
+    """Shares its node with another step: CPU-only helpers, and colocated engines and trainer,
+    which share the node's GPUs on purpose (Slurm 22.05's --overlap shares GPUs too, so
+    disaggregated GPU steps never use it)."""
     first: int = 0
     output: str = ""
 
@@ -158,6 +163,9 @@ class Plan:
     every server requires its key; only this path appears in arguments and logs."""
     sglang_auth: str = ""
     """The same key as SGLang's ``--config`` YAML (``api-key: ...``), for SGLang servers."""
+    colocated: bool = False
+    """The engines share the trainer's nodes and GPUs (``rollout.placement="colocated"``):
+    their GPUs are the trainer's, not more of them."""
 
     @property
     def nodes(self) -> int:
@@ -168,4 +176,6 @@ class Plan:
             return 0
         if role == "train":
             return len(self.roles["train"]) * self.gpus_per_node
+        if role == "engine" and self.colocated:  # the trainer's GPUs, counted there
+            return 0
         return sum(s.gpus for s in self.servers if s.role == role and role != "router")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import signal
 import types
 from dataclasses import dataclass
 from datetime import timedelta
@@ -274,6 +275,37 @@ def _share_storage_by_name(storage):
     storage._shared_incref()
     R.shared_cache[metadata[1]] = R.StorageWeakRef(storage)
     return (R.rebuild_storage_filename, (type(storage),) + metadata)
+
+
+_MANAGER_PROBE: list = []
+# The signals a Slurm step sends its processes to stop them (the trainer's StopFlag handles them).
+_STEP_SIGNALS = {signal.SIGUSR1, signal.SIGTERM}
+
+
+def start_shm_manager() -> None:
+    """Start this process's ``torch_shm_manager`` now, with the stop signals blocked, and
+    keep it for the process's life.
+
+    The first CPU storage shared by name starts the manager (libshm: fork and exec of
+    ``torch_shm_manager``, which the process then talks to over a socket for every storage
+    it shares or frees). It is a child of the trainer, so Slurm's ``scancel --signal=USR1``
+    to the trainer's step (slurm/lib.sh forwards the time-limit warning that way) reaches
+    it too, and USR1's default action kills it: the trainer's next share or free failed
+    with ``Broken pipe`` (in the CPU Slurm job, colocated, 4 of 4 runs; the manager's death
+    seen with strace). A signal mask survives fork and exec, so a manager started with
+    USR1 and TERM blocked never receives them (it still ends with its last client or with
+    SIGKILL); the calling thread's own signals are only delayed until the mask is restored.
+    One byte stays shared so the manager, which exits 2 s after its last client leaves,
+    stays up with the process."""
+    if _MANAGER_PROBE:
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STEP_SIGNALS)
+    try:
+        probe = torch.empty(1, dtype=torch.uint8).untyped_storage()
+        probe._share_filename_cpu_()
+        _MANAGER_PROBE.append(probe)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _forking_pickler():

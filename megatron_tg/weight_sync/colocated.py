@@ -143,6 +143,10 @@ class Colocated:
         self.released: set[str] = set()  # rank 0: the engines' released tags
         urls, error = None, None
         if self.rank0:
+            if trainer.ctx.device.type == "cpu":  # CPU payloads are shared-memory files
+                from megatron_tg.rollout.transport import start_shm_manager
+
+                start_shm_manager()
             urls = list(side.client.admin_urls)
             infos = side.call(side.client.get_server_info(strict=True))
             bare = [u for u in urls if not _uses_memory_saver(infos.get(u))]

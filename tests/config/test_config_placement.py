@@ -26,8 +26,6 @@ def test_an_unknown_placement_is_refused():
 @pytest.mark.parametrize("override, message, got", [
     # the default max_staleness=1 overlaps generation with training
     ("rollout.max_staleness=1", "rollout.max_staleness: must be 0 with rollout.placement='colocated'", "got 1"),
-    ("rollout.service=local", "rollout.service: must be 'in_process' with rollout.placement='colocated'",
-     "got 'local'"),
     ("rollout.engine_tp=2", "rollout.engine_tp: must be 1 with rollout.placement='colocated'", "got 2"),
 ])
 def test_colocated_refuses_what_cannot_share_the_gpus(override, message, got):

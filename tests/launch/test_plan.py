@@ -308,3 +308,49 @@ def test_each_big_jobs_signal_is_the_lead_its_plan_computes(name):
     signal = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", script, re.M).group(1))
     default = int(re.search(r'USR1_LEAD="\$\{USR1_LEAD:-(\d+)\}"', script).group(1))
     assert signal == default == _big_plan(name).checkpoint["usr1_lead_s"]
+
+
+# ---------------------------------------------------------------- colocated
+
+COLOCATED = ["rollout.placement=colocated", "rollout.engine_tp=1", "rollout.max_staleness=0"]
+
+
+def test_colocated_engines_run_on_the_trainer_s_nodes_and_gpus():
+    """No rollout nodes: 16 engines on the two trainer nodes, each task seeing the node's GPUs
+    (shared with the trainer's step, both --overlap) from its own base GPU, the GPU of the
+    trainer rank that writes it; the GPUs are counted once."""
+    plan = make_plan(R30, [f"model.hf_config={HF / 'qwen3-coder-30b-a3b-instruct.json'}", *COLOCATED,
+                           "rollout.num_engines=16", "rollout.max_context_tokens=32768"], JUDGE)
+    assert plan.colocated and plan.roles == {"train": ["node1", "node2"], "rollout": [], "judge": ["node3"]}
+    assert role_gpus(plan) == (16, 0, 8)
+    engines = [s for s in plan.servers if s.role == "engine"]
+    assert [s.hosts for s in engines] == [["node1"]] * 8 + [["node2"]] * 8
+    assert [s.base_gpu for s in engines] == list(range(8)) * 2
+    steps = {s.name: s for s in plan.steps}
+    for name in ("tg-engines-node1", "tg-engines-node2", "tg-train"):
+        assert (steps[name].gpus_per_node, steps[name].gpus_per_task, steps[name].overlap) == (8, 0, True), name
+    assert steps["tg-engines-node1"].ntasks == 8 and steps["tg-router"].hosts == ["node1"]
+    assert "--enable-memory-saver" in plan.engine_args and "--mem-fraction-static" in plan.engine_args
+    env = R.render_env(plan)
+    assert "TG_SERVER_BASE_GPU=(0 1 2 3 4 5 6 7 0 1 2 3 4 5 6 7 0 0)" in env and "TG_COLOCATED=1" in env
+    assert "colocated on the trainer's GPUs" in R.render_text(plan)
+
+
+def test_the_tiny_job_colocates_its_engine_and_service_on_the_trainer_s_node():
+    plan = make_plan(TINY, ["rollout.engine=sglang", "parallel.backend=gloo", "rollout.placement=colocated"],
+                     Knobs(accel="cpu", gpus_per_node=1, engine="embedded", service=True))
+    assert plan.roles["rollout"] == [] and [s.hosts for s in plan.servers] == [["node1"], ["node1"]]
+    assert all(s.overlap for s in plan.steps) and plan.nodes == 1
+    assert "rollout.service=remote" in plan.train_args and "--enable-memory-saver" in plan.engine_args
+
+
+@pytest.mark.parametrize("overrides, knobs, match", [
+    (["rollout.num_engines=3"], {}, r"rollout.num_engines=3, but rollout.placement='colocated' .* 1 "
+                                    r"trainer nodes x 2 GPUs hold 2 engines .* set rollout.num_engines=2"),
+    (["rollout.num_engines=2"], {"rollout_nodes": 1}, r"1 rollout nodes asked for \(ROLLOUT_NODES\), but "
+                                                      r"rollout.placement='colocated'"),
+])
+def test_colocated_layouts_that_cannot_share_the_trainer_s_nodes_are_refused(overrides, knobs, match):
+    with pytest.raises(PlanError, match=match):
+        make_plan(TINY, ["rollout.engine=sglang", "parallel.backend=gloo", "rollout.placement=colocated",
+                         *overrides], Knobs(accel="cpu", gpus_per_node=2, engine="embedded", **knobs))

@@ -1,7 +1,8 @@
 """rollout.placement=colocated on the CPU loop: 2 trainer ranks (TP 2) and one embedded engine
 started with --enable-memory-saver take turns (docs/colocated.md). At max_staleness=0 with
 seeded sampling the run trains to the same step losses as the disaggregated run, a colocated
-run stopped and restarted from its checkpoint trains on after it, and no train step starts
+run stopped and restarted from its checkpoint trains on after it (with the rollout side as a
+service of its own), and no train step starts
 while the engine holds memory (the loop checks the engine's /server_info
 ``memory_occupation`` after releasing it, and logs what it read)."""
 
@@ -19,14 +20,17 @@ def test_colocated_trains_to_the_disaggregated_losses(policy_dir, tmp_path):  # 
     rubric.write_text(RUBRIC.replace("scope: final_turn", "scope: every_turn"))
     rows = {}
     # "resumed": colocated, stopped after its step-2 checkpoint and restarted for step 3 (the
-    # restart pushes the checkpoint's weights into engines that hold the base weights).
-    for name, placement, legs in (("disaggregated", "disaggregated", [3]),
-                                  ("colocated", "colocated", [3]), ("resumed", "colocated", [2, 3])):
+    # restart pushes the checkpoint's weights into engines that hold the base weights), with
+    # the rollout side as its own process (rollout.service=local): the service generates and
+    # judges, trainer rank 0 releases, resumes and writes the engine the service started.
+    for name, placement, legs, service in (("disaggregated", "disaggregated", [3], "in_process"),
+                                           ("colocated", "colocated", [3], "in_process"),
+                                           ("resumed", "colocated", [2, 3], "local")):
         run_dir = tmp_path / name
         run_dir.mkdir()
         for steps in legs:
             procs = _launch(policy_dir, run_dir, steps=steps, extra=[
-                f"rollout.placement={placement}", "rollout.sampling_seed=1234",
+                f"rollout.placement={placement}", f"rollout.service={service}", "rollout.sampling_seed=1234",
                 "rollout.max_staleness=0", "rollout.group_size=4", f"judge.rubric={rubric}",
                 "objective.primary_criteria=[has_e]", "rollout.max_new_tokens=24"])
             assert _wait(procs, 600, run_dir) == [0, 0], _tail(run_dir)
