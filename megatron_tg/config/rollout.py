@@ -32,7 +32,7 @@ class RolloutConfig:
     loads its state back, trains, puts its state aside, the engines resume their weights and
     receive the new ones through ``/update_weights_from_tensor`` (bucketed, SGLang's
     ``flattened_bucket`` format), then resume their KV cache and generate. Needs
-    ``max_staleness=0``, ``service="in_process"``, ``engine_tp=1``, and engines started with
+    ``max_staleness=0``, ``service="in_process"``, and engines started with
     ``--enable-memory-saver`` (the embedded engines this process starts get it)."""
 
     server_urls: List[str] = field(default_factory=list)
@@ -303,10 +303,6 @@ class RolloutConfig:
             raise ConfigError(f"rollout.service: must be 'in_process' with {why} (trainer rank 0 "
                               f"releases and resumes the engines and hands them its tensors); "
                               f"got {self.service!r}")
-        if self.engine_tp != 1:  # which trainer rank sends which engine rank's payload: not built
-            raise ConfigError(f"rollout.engine_tp: must be 1 with {why} (the mapping of engine TP "
-                              f"ranks to the trainer ranks on their GPUs is not built; "
-                              f"docs/colocated.md); got {self.engine_tp}")
 
 
 FEEDBACK_PLACEHOLDER = "{feedback}"
