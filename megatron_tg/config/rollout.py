@@ -32,7 +32,7 @@ class RolloutConfig:
     loads its state back, trains, puts its state aside, the engines resume their weights and
     receive the new ones through ``/update_weights_from_tensor`` (bucketed, SGLang's
     ``flattened_bucket`` format), then resume their KV cache and generate. Needs
-    ``max_staleness=0``, ``engine_tp=1``, and engines started with ``--enable-memory-saver``
+    ``max_staleness=0`` and engines started with ``--enable-memory-saver``
     (the embedded engines this process or its rollout service starts get it). With a rollout
     service (``service`` local or remote) the service generates and judges; trainer rank 0
     still releases, resumes and writes the engines itself."""
@@ -301,10 +301,6 @@ class RolloutConfig:
         if self.max_staleness != 0:  # generation and training take turns on the same GPUs
             raise ConfigError(f"rollout.max_staleness: must be 0 with {why} (the engines cannot "
                               f"generate while the trainer trains on their GPUs); got {self.max_staleness}")
-        if self.engine_tp != 1:  # which trainer rank sends which engine rank's payload: not built
-            raise ConfigError(f"rollout.engine_tp: must be 1 with {why} (the mapping of engine TP "
-                              f"ranks to the trainer ranks on their GPUs is not built; "
-                              f"docs/colocated.md); got {self.engine_tp}")
 
 
 FEEDBACK_PLACEHOLDER = "{feedback}"

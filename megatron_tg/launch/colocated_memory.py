@@ -78,8 +78,9 @@ def colocated_roles(cfg: TGConfig, arch: Qwen3Arch, total_params: int, train: Ro
     gen.terms["sglang_reserved"] = (1 - sglang_default_mem_fraction(gpu_mib, cfg.rollout.engine_tp)) * gpu_mib * 2 ** 20
     gen.terms["trainer_offloaded"] = trainer_left_gib() * GIB
     gen.fixes["trainer_offloaded"] = "nothing in the recipe (the trainer's CUDA/NCCL reserve and fragments)"
-    gen.fixes["kv_cache"] = ("a smaller rollout.max_context_tokens: colocated engines run at engine_tp=1 "
-                             "until the GPU mapping of engine TP > 1 is built (docs/colocated.md)")
+    gen.fixes["kv_cache"] = ("a larger rollout.engine_tp (its weights split over more GPUs; "
+                             "recipes/tg_30b_colocated.yaml runs 8 engines x TP 2) or a smaller "
+                             "rollout.max_context_tokens")
     gen.notes.insert(0, f"colocated: mem_fraction_static={frac} (SGLang's default less the "
                         f"{trainer_left_gib():.1f} GiB the trainer keeps while the engine generates)")
     phase = RolePlan("colocated GPU, train phase", {**train.terms, "engine_released": ENGINE_RELEASED_GIB * GIB},

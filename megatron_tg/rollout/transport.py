@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import re
 import signal
 import types
 from dataclasses import dataclass
@@ -203,6 +204,17 @@ class FlatBucket:
         self.clear()
         self.buf = None
 
+    def recycle(self) -> None:
+        """After the engine's reply to the request that carried this bucket's handles: on
+        CUDA a fresh buffer for the next bucket, since a copy the engine queued may still read
+        this one (slime's finding), and the IPC handles the engine closed are collected; on
+        the host the same buffer is reused (the engine copied it before replying)."""
+        if self.device.type == "cuda":
+            self.release()
+            torch.cuda.ipc_collect()
+        else:
+            self.clear()
+
 
 def send_tensors(group: WeightUpdateGroup, named_tensors) -> None:
     """Trainer side of a per-tensor update (no load_format): one broadcast per tensor."""
@@ -371,9 +383,16 @@ _SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMeta
 
 
 class _SafeUnpickler(pickle.Unpickler):
+    def __init__(self, file, opened: list[str] | None = None):
+        super().__init__(file)
+        self.opened = opened
+
     def find_class(self, module, name):
         if (module, name) == _SGLANG_METADATA:
             return FlattenedTensorMetadata
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename") and \
+                self.opened is not None:
+            return self._recording_rebuild
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor") or \
                 (module, name) == ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"):
             raise ValueError("the payload holds CUDA IPC handles, which only a process on that GPU can open")
@@ -382,13 +401,34 @@ class _SafeUnpickler(pickle.Unpickler):
         raise ValueError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
 
-def deserialize_payload(payload: str | bytes):
+    def _recording_rebuild(self, cls, manager, handle, size, dtype=None):
+        from torch.multiprocessing import reductions as R
+
+        self.opened.append(handle.decode() if isinstance(handle, bytes) else str(handle))
+        return R.rebuild_storage_filename(cls, manager, handle, size, dtype)
+
+
+def deserialize_payload(payload: str | bytes, opened: list[str] | None = None):
     """SGLang's ``MultiprocessingSerializer.deserialize``: base64 text (validated) or raw
-    pickle bytes, read by an unpickler that rebuilds only tensors and plain data."""
+    pickle bytes, read by an unpickler that rebuilds only tensors and plain data.
+
+    ``opened``: the name of every shared-memory file the payload's tensors open is appended
+    there (:func:`shm_owner_pid` reads which process made it)."""
     import torch.multiprocessing  # noqa: F401  (the rebuild functions live there)
 
     data = base64.b64decode(payload, validate=True) if isinstance(payload, str) else bytes(payload)
-    return _SafeUnpickler(io.BytesIO(data)).load()
+    return _SafeUnpickler(io.BytesIO(data), opened).load()
+
+
+_SHM_NAME = re.compile(r"^/torch_(\d+)_")
+
+
+def shm_owner_pid(name: str) -> int | None:
+    """The process that made a shared-memory file of torch's ``file_system`` strategy: torch
+    names them ``/torch_<pid>_<random>_<counter>`` (``at::NewProcessWideShmHandle``), the pid
+    being the creator's; None for another name."""
+    m = _SHM_NAME.match(name)
+    return int(m.group(1)) if m else None
 
 
 def reconstruct_bucket(obj) -> list[tuple[str, torch.Tensor]]:

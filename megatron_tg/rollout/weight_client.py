@@ -22,7 +22,11 @@ on servers that predate it): its SGLang version and its parallel sizes.
   handles to tensors this process holds, one payload per engine TP rank, in SGLang's
   ``MultiprocessingSerializer`` / ``FlattenedTensorBucket`` format
   (:mod:`~megatron_tg.rollout.transport`); :meth:`WeightUpdateCalls.send_weights_from_tensor`
-  packs buckets and sends them one at a time between one begin and one end call.
+  packs buckets and sends them one at a time between one begin and one end call, every
+  payload from this process. The colocated trainer sends each engine rank the payload of the
+  trainer rank on its GPU (:mod:`megatron_tg.weight_sync.colocated_push`) through the same
+  pieces: ``begin_tensor_update``, ``send_tensor_payloads``, ``end_tensor_update``,
+  ``finish_tensor_update``.
 """
 
 from __future__ import annotations
@@ -237,11 +241,12 @@ class WeightUpdateCalls:
 
         Peak extra memory is one bucket: each is packed, sent, and reused (CPU) or freed
         (GPU) only after the engine's reply, since the engine reads the bucket's memory itself
-        while the request runs. Every TP rank gets its own payload of the same bucket (one
-        process holds all of it here; colocated trainer ranks on the engine's GPUs each
-        send their own, which is the trainer-side work still to come)."""
+        while the request runs. Every TP rank gets its own payload of the same bucket, all
+        from this process: right for an engine whose ranks can open this process's memory
+        (one GPU, or the host). Colocated trainers send from every rank instead
+        (:mod:`megatron_tg.weight_sync.colocated_push`), through the same calls below."""
         info = await self.engine_info(url)
-        await self._call(url, "POST", "/begin_weight_update", {})
+        await self.begin_tensor_update([url])
         sent, bucket = 0, None
         try:
             for name, t in named_tensors:
@@ -255,31 +260,65 @@ class WeightUpdateCalls:
                 bucket.add(name, t)
             if bucket is not None and bucket.names:
                 sent += await self._send_bucket(url, bucket, info.tp_size)
-        finally:
+        except BaseException:
             if bucket is not None:
                 bucket.release()
-            await self._call(url, "POST", "/end_weight_update", {})
-        await self._call(url, "POST", "/flush_cache", {})
-        if weight_version is not None:
-            await self.update_weight_version(str(weight_version), servers=[url])
+            await self.end_tensor_update([url], strict=False)  # the first error is the one raised
+            raise
+        if bucket is not None:
+            bucket.release()
+        await self.end_tensor_update([url])
+        await self.finish_tensor_update([url], weight_version)
         return sent
 
     async def _send_bucket(self, url: str, bucket: FlatBucket, tp_size: int) -> int:
         # One serialisation per rank: each takes one reference the opening rank gives back.
-        payloads = [serialize_bucket(bucket) for _ in range(tp_size)]
+        await self.send_tensor_payloads(url, [serialize_bucket(bucket) for _ in range(tp_size)])
+        bucket.recycle()  # the engine has answered
+        return 1
+
+    # The pieces of a from-tensor update, shared by the one-process path above and the
+    # colocated trainer's push, in which every rank serialises its own copy of each bucket.
+    async def begin_tensor_update(self, urls: Sequence[str]) -> None:
+        """``/begin_weight_update`` on every engine (SGLang refuses a from-tensor update
+        outside one); if one refuses, the ones already begun are ended again."""
+        begun: list[str] = []
+        try:
+            for url in urls:
+                await self._call(url, "POST", "/begin_weight_update", {})
+                begun.append(url)
+        except Exception:
+            await self.end_tensor_update(begun, strict=False)
+            raise
+
+    async def send_tensor_payloads(self, url: str, payloads: Sequence[str]) -> None:
+        """One bucket into one engine: ``payloads[r]`` is what its TP rank r opens. Raises
+        unless the engine reports success; the bucket's memory must stay untouched until then."""
         reply = await self.update_weights_from_tensor(url, payloads)
         if not (isinstance(reply, dict) and reply.get("success")):
             raise SGLangClientError(f"{url}: update_weights_from_tensor failed: {reply!r:.500}")
-        if bucket.device.type == "cuda":
-            import torch
 
-            # The engine has answered: its IPC handles are closed. A fresh buffer per bucket,
-            # as a CUDA copy the engine queued may still read this one (slime's finding).
-            bucket.release()
-            torch.cuda.ipc_collect()
-        else:
-            bucket.clear()
-        return 1
+    async def end_tensor_update(self, urls: Sequence[str], *, strict: bool = True) -> None:
+        """``/end_weight_update`` on every engine, each tried even when one fails; ``strict``:
+        raise naming those that failed (off when ending after another error, which wins)."""
+        errors: list[tuple[str, BaseException]] = []
+        for url in urls:
+            try:
+                await self._call(url, "POST", "/end_weight_update", {})
+            except Exception as exc:  # noqa: BLE001 -- the others must still be ended
+                errors.append((url, exc))
+        if errors and strict:
+            raise SGLangClientError(f"end_weight_update failed: {errors}", errors=errors)
+        for url, exc in errors:
+            log.warning("%s: end_weight_update after a failed update: %s", url, exc)
+
+    async def finish_tensor_update(self, urls: Sequence[str], weight_version: str | None) -> None:
+        """After every bucket has loaded: flush each engine's cache (built by the old weights),
+        then set ``weight_version`` where given."""
+        for url in urls:
+            await self._call(url, "POST", "/flush_cache", {})
+        if weight_version is not None:
+            await self.update_weight_version(str(weight_version), servers=list(urls))
 
     async def update_weight_version(self, version: str, servers: Sequence[str] | None = None) -> dict[str, Any]:
         """Set the version engines report (requests keep running: abort_all_requests=False)."""

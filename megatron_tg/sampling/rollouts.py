@@ -217,7 +217,8 @@ class RolloutSide:
                 key_file = str(write_key_dir(Path(log_dir) / "engines" / "secret")[0])
             extra = ["--enable-return-routed-experts"] if routing_spec(cfg) else []
             if cfg.rollout.placement == "colocated":  # release/resume free and restore memory
-                extra.append("--enable-memory-saver")
+                # and one from-tensor payload per engine TP rank, from the trainer rank on its GPU
+                extra += ["--enable-memory-saver", "--tp-size", str(cfg.rollout.engine_tp)]
             self.engines = start_engines([Path(engine_model_dir)] * cfg.rollout.num_engines,
                                          Path(log_dir) / "engines", extra_args=extra,
                                          api_key_file=key_file)

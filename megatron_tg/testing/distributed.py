@@ -20,6 +20,7 @@ import datetime
 import io
 import os
 import queue as queue_mod
+import time
 import traceback
 from typing import Any, Callable
 
@@ -68,6 +69,19 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
             dist.destroy_process_group()
 
 
+def _reap(p, timeout: float) -> None:
+    """Wait up to ``timeout`` for ``p`` to exit, by its exit status (``waitpid``), not
+    ``join``: ``join`` waits for a pipe to close that the rank's ``torch_shm_manager`` inherits,
+    and that manager lives as long as any process that opened one of its shared-memory files
+    (libshm keeps one connection per manager for a process's lifetime), e.g. an engine that
+    read this rank's weight payloads."""
+    deadline = time.monotonic() + timeout
+    while p.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if p.exitcode is not None:
+        p.join()  # returns at once: the status is known
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
                     timeout: float = 600.0, threads_per_rank: int = 1,
                     pg_timeout_s: float | None = None, comm_rules: str | None = None) -> list[Any]:
@@ -107,7 +121,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
                 break  # the other ranks are likely blocked in a collective
     finally:
         for p in procs:
-            p.join(timeout=5 if errors else 60)
+            _reap(p, 5 if errors else 60)
             if p.is_alive():
                 p.kill()
                 p.join()

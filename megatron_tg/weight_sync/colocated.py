@@ -16,30 +16,32 @@ The loop calls the same five verbs whatever the placement (:class:`Phases`):
       after_train   offload the trainer's gradients and optimizer state
       sync          (engines paused) resume ``weights`` -> the new weights through
                     ``/update_weights_from_tensor``, bucketed, SGLang's ``flattened_bucket``
-                    format, one engine at a time -> resume ``kv_cache`` and ``cuda_graph``;
-                    then the log-prob probe, which needs the trainer's parameters
+                    format, each engine TP rank's payload from the trainer rank on its GPU
+                    (:mod:`~megatron_tg.weight_sync.colocated_push`) -> resume ``kv_cache``
+                    and ``cuda_graph``; then the log-prob probe, which needs the trainer's
+                    parameters
       save          onload the trainer's state, save, wait for the write
       before_generate  offload the parameters (and whatever ``save`` brought back)
 
   The parameters stay on the device through the sync: the HF tensors are gathered from them
-  over TP/EP/PP with the device's collectives (:func:`~megatron_tg.weight_sync.sync.iter_hf_weights`),
-  so while the engines' weights are resumed the GPU holds both copies, but neither KV cache
-  nor gradients nor optimizer state. Engine loss and return are not handled here: a lost
+  over TP/EP/PP with the device's collectives (:func:`~megatron_tg.weight_sync.sync.iter_hf_weights`,
+  one pass per push, every rank packing its own buckets), so while the engines' weights are
+  resumed the GPU holds both copies, but neither KV cache nor gradients nor optimizer state. Engine loss and return are not handled here: a lost
   engine fails the step (the disaggregated path re-forms its group instead).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 
 from megatron_tg.train.offload import KINDS, TrainerOffload
 from megatron_tg.weight_sync.checks import SyncChecks, SyncStats
-from megatron_tg.weight_sync.sync import iter_hf_weights, probe_engines, sync_to_engines, verify_coverage
+from megatron_tg.weight_sync.colocated_push import LockstepPush, check_engine_layout, check_senders, report_rank
+from megatron_tg.weight_sync.sync import coverage_check, coverage_reset, probe_engines, sync_to_engines
 
 ALL_TAGS = ("cuda_graph", "kv_cache", "weights")  # SGLang's GPU_MEMORY_ALL_TYPES
 
@@ -141,6 +143,14 @@ class Colocated:
         self.rank0 = trainer.ctx.rank == 0
         self.state = TrainerOffload(trainer)
         self.released: set[str] = set()  # rank 0: the engines' released tags
+        ctx, tp = trainer.ctx, trainer.cfg.rollout.engine_tp
+        # Object collectives only (payload strings, verdicts): gloo, whatever the trainer's
+        # backend (NCCL refuses host tensors).
+        self.objects = None if ctx.backend == "gloo" else dist.new_group(backend="gloo")
+        reports: list | None = [None] * dist.get_world_size() if self.rank0 else None
+        dist.gather_object(report_rank(ctx), reports, dst=0, group=self.objects)
+        self.reports = reports  # rank 0: where every rank runs
+        self.senders: dict[str, list[int]] = {}  # rank 0: who made each engine's payloads
         urls, error = None, None
         if self.rank0:
             if trainer.ctx.device.type == "cpu":  # CPU payloads are shared-memory files
@@ -154,8 +164,10 @@ class Colocated:
                 error = (f"rollout.placement='colocated': engines {bare} run without "
                          f"--enable-memory-saver; releasing their memory would free nothing")
             else:
-                error = preflight(side)
+                sizes = {u: i.get("tp_size") for u, i in infos.items() if isinstance(i, dict)}
+                error = check_engine_layout(urls, tp, reports, tp_sizes=sizes) or preflight(side)
         self.urls = self._agree(error, urls)
+        self.pusher = LockstepPush(trainer, self.urls, tp, self.objects, side.client if self.rank0 else None)
 
     def _agree(self, error: str | None, value: Any = None) -> Any:
         """Rank 0's verdict (and ``value``) on every rank: all of them raise together."""
@@ -195,55 +207,80 @@ class Colocated:
         return {"colocated/offload_state_s": time.perf_counter() - t0,
                 "colocated/offload_state_bytes": float(freed)}
 
-    def _weights(self, stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
-        """One pass of the HF tensors (collective), counted on rank 0."""
-        for name, t in iter_hf_weights(self.trainer.model, self.trainer.arch, self.trainer.ctx):
-            stats.tensors += 1
-            stats.bytes += t.numel() * t.element_size()
-            yield name, t
-
     def sync(self, restart: bool = False) -> dict[str, float]:
         self.checks.syncs += 1
         coverage = self.checks.coverage_due()  # the same on every rank
-        trainer, r = self.trainer, self.trainer.cfg.rollout
-        if not self.rank0:  # the gathers only: once per engine, twice with the coverage check
-            for _ in range(len(self.urls) * (2 if coverage else 1)):
-                for _ in iter_hf_weights(trainer.model, trainer.arch, trainer.ctx):
-                    pass
-            stats = SyncStats()
+        trainer, push = self.trainer, self.pusher
+        if not self.rank0:  # the same collectives as rank 0, in the same order
+            stats = asyncio.run(self._push_all(coverage))
+            push.agree(None)
         else:
-            client = self.side.client
+            entered, finished = False, False
 
-            async def send_all(stats: SyncStats) -> SyncStats:
-                for url in self.urls:
-                    stats.buckets += await client.send_weights_from_tensor(
-                        url, self._weights(stats), bucket_bytes=r.sync_bucket_mb << 20,
-                        weight_version=str(trainer.step))
+            async def run() -> SyncStats:
+                nonlocal entered, finished
+                entered = True
+                stats = await self._push_all(coverage)
+                finished = True
                 return stats
 
-            async def push() -> SyncStats:
-                t0 = time.perf_counter()
-                if "weights" in self.released:
-                    await client.resume_memory_occupation(["weights"])
-                    self.released.discard("weights")
-                stats = await send_all(SyncStats())
-                if coverage:  # every engine weight written: checksum -> reset -> send -> checksum
-                    await verify_coverage(client, SimpleNamespace(servers=self.urls),
-                                          _discard(send_all, SyncStats))
-                if self.released:  # KV cache last: it is not needed to load weights
-                    await client.resume_memory_occupation(sorted(self.released))
-                    self.released.clear()
-                stats.seconds = time.perf_counter() - t0
-                return stats
-
-            stats = self.side.run_sync(push, trainer.step, restart=restart)
+            try:
+                stats = self.side.run_sync(run, trainer.step, restart=restart)
+            except Exception as exc:
+                # The other ranks wait at the push's first agreement (it never started) or at
+                # the last one below (it was done); else they stopped with it at its agreement.
+                if not entered or finished:
+                    push.agree(("error", f"colocated weight sync to version {trainer.step} failed: {exc}"))
+                raise
+            push.agree(None)
         metrics = {k: float(v) for k, v in stats.as_metrics().items()}
         if self.checks.probe_due():
             metrics.update(probe_engines(trainer, self.side.call if self.rank0 else None,
                                          self.side.client if self.rank0 else None, self.checks,
                                          self.urls))
         metrics["sync/engines"] = float(len(self.urls))
+        if self.senders:  # the evidence: each engine TP rank read its own trainer rank's memory
+            metrics["colocated/payload_senders"] = float(len({p for v in self.senders.values() for p in v}))
+            if self.checks.syncs == 1:
+                print(f"[colocated] the engines' TP ranks read payloads made by trainer processes "
+                      f"{self.senders}", flush=True)
         return metrics
+
+    async def _push_all(self, coverage: bool) -> SyncStats:
+        """Resume ``weights``, push, (coverage: checksum -> reset -> push -> checksum), resume
+        the rest; collective, the engine calls on rank 0 (inside the manager's pause there)."""
+        t0 = time.perf_counter()
+        trainer, push, client = self.trainer, self.pusher, self.side.client if self.rank0 else None
+        kw = dict(bucket_bytes=trainer.cfg.rollout.sync_bucket_mb << 20, version=str(trainer.step))
+
+        async def resume_weights() -> None:
+            if "weights" in self.released:
+                await client.resume_memory_occupation(["weights"])
+                self.released.discard("weights")
+
+        async def senders() -> None:  # where the engines report it (the embedded engine)
+            self.senders = check_senders(await client.get_server_info(strict=True), self.urls,
+                                         trainer.cfg.rollout.engine_tp, self.reports)
+
+        stats = SyncStats()
+        await push.push(stats, before=resume_weights, after=senders, **kw)
+        if coverage:  # every engine weight written: checksum -> reset -> send -> checksum
+            before: dict[str, Any] = {}
+
+            async def reset() -> None:
+                before.update(await coverage_reset(client, self.urls))
+
+            await push.push(SyncStats(), before=reset, after=lambda: coverage_check(client, self.urls, before),
+                            **kw)
+
+        async def resume_rest() -> None:  # KV cache last: it is not needed to load weights
+            if self.released:
+                await client.resume_memory_occupation(sorted(self.released))
+                self.released.clear()
+
+        await push.step("resuming the engines' memory", resume_rest)
+        stats.seconds = time.perf_counter() - t0
+        return stats
 
     def save(self, extra: dict[str, Any]) -> None:
         self.state.onload(KINDS)  # a checkpoint reads the parameters and the optimizer state
@@ -251,9 +288,3 @@ class Colocated:
         # before_generate frees what the writer reads: the write completes first
         self.trainer.checkpointer.finalize(blocking=True)
 
-
-def _discard(send_all: Callable, make_stats: Callable) -> Callable:
-    """``verify_coverage``'s push: a second send whose statistics are not reported."""
-    async def again() -> None:
-        await send_all(make_stats())
-    return again

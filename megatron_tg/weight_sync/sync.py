@@ -21,7 +21,10 @@ the next tensor does not fit. A later pipeline stage streams its parameters to r
 same way, point to point over the PP group (NCCL on GPU) into receive buffers on rank 0's
 device, one parameter at a time (docs/weight-sync-pipeline.md: why a relay and not one
 sender per stage). Peak extra memory per rank: one merged parameter (all experts of one
-weight kind under EP) with its gather buffers, plus one bucket (rank 0 only).
+weight kind under EP) with its gather buffers, plus one bucket (rank 0 only). The colocated
+push walks the same tensors on every rank instead (``iter_hf_weights(everywhere=True)``: a
+later stage's tensors broadcast over each PP group), since there every rank packs the buckets
+of the engine rank on its GPU (:mod:`~megatron_tg.weight_sync.colocated_push`).
 
 **Proof the engines serve the new weights** (:class:`SyncChecks`): once, SGLang's weight
 checker runs checksum -> reset_tensors -> sync -> checksum, which names every weight the
@@ -81,8 +84,10 @@ def _param_to_hf(name, p, arch, layout, ctx, ep_group, keep: bool) -> list[tuple
 
 
 @torch.no_grad()
-def iter_hf_weights(model: torch.nn.Module, arch: Qwen3Arch, ctx) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every HF tensor of the model, one parameter at a time; yielded on global rank 0 only.
+def iter_hf_weights(model: torch.nn.Module, arch: Qwen3Arch, ctx, *,
+                    everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of the model, one parameter at a time; yielded on global rank 0 only,
+    or with ``everywhere`` on every rank, in the same order (:func:`_iter_everywhere`).
 
     Collective: every rank iterates it to the end in lock-step."""
     from megatron.core import parallel_state as mps
@@ -91,6 +96,9 @@ def iter_hf_weights(model: torch.nn.Module, arch: Qwen3Arch, ctx) -> Iterator[tu
     layout = current_layout(model=gpt)
     ep_group, pp_group = ctx.group(Axis.EP), ctx.group(Axis.PP)
     pp_size, pp_rank = dist.get_world_size(pp_group), mps.get_pipeline_model_parallel_rank()
+    if everywhere:
+        yield from _iter_everywhere(gpt, arch, layout, ctx, ep_group, pp_group, pp_size, pp_rank)
+        return
     # A later stage reaches rank 0 point to point, from the member of rank 0's PP group.
     on_path = pp_size > 1 and 0 in dist.get_process_group_ranks(pp_group)
     for stage in range(pp_size):
@@ -111,6 +119,54 @@ def iter_hf_weights(model: torch.nn.Module, arch: Qwen3Arch, ctx) -> Iterator[tu
             if ctx.rank == 0:
                 yield from pieces
             del pieces
+
+
+def _iter_everywhere(gpt, arch, layout, ctx, ep_group, pp_group, pp_size: int, pp_rank: int
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor on every rank, the same sequence everywhere: what the colocated push
+    needs, since each rank packs the buckets its engine rank opens (colocated_push.py).
+
+    A stage's ranks get its tensors from their own TP/EP gathers, which already leave the
+    merged parameter on every member; the other stages' tensors come broadcast over the PP
+    group from the member of that stage, one parameter at a time into buffers on the
+    context's device (NCCL moves device memory only). So every rank walks every stage's
+    parameters in step, and each rank's peak stays one merged parameter."""
+    for stage in range(pp_size):
+        mine = stage == pp_rank
+        params = dict(gpt.named_parameters()) if mine else {}
+        names = list(params) if mine else None
+        src = dist.get_global_rank(pp_group, stage) if pp_size > 1 else ctx.rank
+        if pp_size > 1:
+            names = _bcast_object(names, src, pp_group)
+        for name in names:
+            pieces = _param_to_hf(name, params[name], arch, layout, ctx, ep_group, True) if mine else []
+            if pp_size > 1:
+                pieces = _bcast_tensors(pieces, src, pp_group, ctx.device)
+            yield from pieces
+            del pieces
+
+
+def _bcast_object(obj, src: int, group):
+    """``obj`` from global rank ``src`` to every member of ``group``."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _bcast_tensors(pieces, src: int, group, device: torch.device):
+    """One parameter's HF tensors from global rank ``src`` to every member of ``group``,
+    received into buffers on ``device``."""
+    meta = _bcast_object([(n, t.dtype, tuple(t.shape)) for n, t in pieces] if dist.get_rank() == src else None,
+                         src, group)
+    out = []
+    for i, (n, dtype, shape) in enumerate(meta):
+        if dist.get_rank() == src:
+            t = pieces[i][1].contiguous()  # gloo corrupts non-contiguous tensors silently
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(t, src=src, group=group)
+        out.append((n, t))
+    return out
 
 
 def _p2p_object(obj, src: int, group):
@@ -257,10 +313,22 @@ async def verify_coverage(client, group, push) -> None:
     into host memory (the whole model per engine, ~240 GB per rollout node at 30B), while a
     checksum is a hash per tensor; both see the same tensors (SGLang skips the same names in
     reset, compare and checksum). ``megatron-tg memory`` prints both figures."""
-    before = await client.weights_checker("checksum", servers=group.servers)
-    await client.weights_checker("reset_tensors", servers=group.servers)
+    before = await coverage_reset(client, group.servers)
     await push()
-    after = await client.weights_checker("checksum", servers=group.servers)
+    await coverage_check(client, group.servers, before)
+
+
+async def coverage_reset(client, servers) -> dict[str, Any]:
+    """The first half of :func:`verify_coverage`: the engines' checksums, then their weights
+    overwritten with noise; returns the checksums."""
+    before = await client.weights_checker("checksum", servers=servers)
+    await client.weights_checker("reset_tensors", servers=servers)
+    return before
+
+
+async def coverage_check(client, servers, before: dict[str, Any]) -> None:
+    """The second half, after the push: raises naming every weight whose checksum changed."""
+    after = await client.weights_checker("checksum", servers=servers)
     gaps = coverage_gaps(before, after)
     if gaps:
         detail = "; ".join(f"{url}: {len(names)} tensor(s), e.g. {', '.join(names[:8])}"

@@ -55,11 +55,11 @@ def test_one_node_is_refused_naming_the_optimizer_and_two_nodes_train():
 
 
 def test_a_30b_engine_at_tp1_holds_no_64k_rollout_and_the_fix_names_the_context():
-    """At engine TP 1 (all colocated mode runs today) the 30B model's bf16 weights leave a KV
-    cache smaller than one 64k rollout: refused, naming what can change."""
+    """At engine TP 1 the 30B model's bf16 weights leave a KV cache smaller than one 64k
+    rollout: refused, naming what can change."""
     plan = M.memory_plan(_cfg("rollout.num_engines=16"), world_size=16)
     assert plan.roles["engine"].kv["kv_tokens"] < 65536
-    assert "rollout.max_context_tokens" in plan.refusal() and "engine_tp=1" in plan.refusal()
+    assert "rollout.max_context_tokens" in plan.refusal() and "rollout.engine_tp" in plan.refusal()
 
 
 def test_layouts_that_cannot_colocate_are_refused_with_the_numbers():
@@ -101,3 +101,20 @@ def test_the_step_time_is_the_phases_in_turn_beside_the_overlap():
     plain = load_config(str(ROOT / "recipes" / "tg_30b.yaml"), [f"model.hf_config={HF}"])
     tp = timeplan.time_plan(plain, M.memory_plan(plain, world_size=16))
     assert tp["colocated"] is None and timeplan.step_seconds(tp) == max(tp["train_s"], tp["generate_s"])
+
+
+def test_the_shipped_colocated_recipe_fits_both_phases_on_two_nodes():
+    """recipes/tg_30b_colocated.yaml: 8 engines x TP 2 on the trainer's 16 GPUs; both phases
+    fit, the engine holds more than one 64k rollout, and the plan has no rollout nodes."""
+    from megatron_tg.launch.plan import Knobs, make_plan
+
+    recipe = str(ROOT / "recipes" / "tg_30b_colocated.yaml")
+    cfg = load_config(recipe, [f"model.hf_config={HF}"])
+    plan = M.memory_plan(cfg, world_size=16)
+    assert plan.refusal() is None, plan.refusal()
+    assert plan.roles["engine"].kv["rollouts_at_full_context"] >= 1
+    assert plan.roles["engine"].terms["weights"] == pytest.approx(plan.total_params)  # bf16 over 2 GPUs
+    launch = make_plan(recipe, [f"model.hf_config={HF}"], Knobs(judge_model="models/judge"))
+    assert launch.colocated and launch.roles["rollout"] == [] and len(launch.roles["train"]) == 2
+    assert launch.checkpoint["usr1_lead_s"] == 11070  # = slurm/tg_30b_colocated.sh's --signal
+    assert "#SBATCH --signal=B:USR1@11070" in (ROOT / "slurm" / "tg_30b_colocated.sh").read_text()

@@ -4,7 +4,8 @@ seeded sampling the run trains to the same step losses as the disaggregated run,
 run stopped and restarted from its checkpoint trains on after it (with the rollout side as a
 service of its own), and no train step starts
 while the engine holds memory (the loop checks the engine's /server_info
-``memory_occupation`` after releasing it, and logs what it read)."""
+``memory_occupation`` after releasing it, and logs what it read). At rollout.engine_tp=2 each of
+the engine's two TP ranks reads the payload of the trainer process on its GPU."""
 
 from __future__ import annotations
 
@@ -66,3 +67,33 @@ def test_colocated_trains_to_the_disaggregated_losses(policy_dir, tmp_path):  # 
         assert r["sync/bytes"] == x["sync/bytes"]
         assert r["sync/probe_logprob_diff"] < 0.1
     assert all("colocated/onload_bytes" not in r for r in a)
+
+
+def test_colocated_engine_tp2_reads_a_payload_from_each_rank(policy_dir, tmp_path):  # noqa: F811
+    """rollout.engine_tp=2: the one embedded engine (--tp-size 2) stands in for two SGLang TP
+    ranks on the GPUs of trainer ranks 0 and 1. Each of its ranks' payloads is made by the
+    trainer process on that rank's GPU: the engine's own accounting names the processes that
+    made the shared memory it opened, and they are the two trainer processes. The payloads are
+    bit-identical (else the engine refuses them), every engine weight is written (the coverage
+    check at the first sync) and it serves the trainer's weights (the log-prob probe)."""
+    rubric = tmp_path / "coin_flips.yaml"  # rewards that differ within a group: the weights move
+    rubric.write_text(RUBRIC.replace("scope: final_turn", "scope: every_turn"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    procs = _launch(policy_dir, run_dir, steps=2, extra=[
+        "rollout.placement=colocated", "rollout.engine_tp=2", "rollout.num_engines=1",
+        "rollout.max_staleness=0", "rollout.sampling_seed=1234", "rollout.group_size=4",
+        f"judge.rubric={rubric}", "objective.primary_criteria=[has_e]", "rollout.max_new_tokens=24"])
+    assert _wait(procs, 300, run_dir) == [0, 0], _tail(run_dir)
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["optim/grad_norm"] > 0  # the first sync sends weights the engine never had
+    for r in rows:
+        assert r["colocated/payload_senders"] == 2.0  # two processes, checked against the ranks
+        assert r["sync/tensors"] > 0 and r["sync/buckets"] >= 1 and r["sync/engines"] == 1.0
+        assert r["sync/probe_logprob_diff"] < 0.1
+        assert r["colocated/engine_bytes_at_train"] == 0.0
+    log = (run_dir / "rank0.log").read_text()
+    line = next(x for x in log.splitlines() if "[colocated] the engines' TP ranks read payloads" in x)
+    # {url: [process of engine rank 0's payload, of rank 1's]}: the processes this test started
+    assert line.endswith(f": {[procs[0].pid, procs[1].pid]}}}"), line

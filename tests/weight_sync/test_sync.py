@@ -244,7 +244,9 @@ def _stages_fn(rank, world, layouts, state, hf_cfg, tokens):
         for name, t in iter_hf_weights(model, arch, ctx):
             names.append(name)
             streamed[name] = t.clone()
-        out.append(dict(names=names, streamed=streamed,
+        # everywhere=True (the colocated push): every rank gets every tensor, in one order
+        everywhere = [(name, t.clone()) for name, t in iter_hf_weights(model, arch, ctx, everywhere=True)]
+        out.append(dict(names=names, streamed=streamed, everywhere=everywhere,
                         logprobs=trainer_logprobs(model, arch, ctx, tokens)))
     return out
 
@@ -253,7 +255,8 @@ def _stages_fn(rank, world, layouts, state, hf_cfg, tokens):
                          ids=["pp2", "tp2xpp2+pp2xep2"])
 def test_every_stage_reaches_the_sender(world, layouts):
     """Under PP each stage's tensors reach global rank 0 (relayed over the PP group), merged
-    over TP and EP: rank 0 streams every HF tensor exactly once, equal to the checkpoint's;
+    over TP and EP: rank 0 streams every HF tensor exactly once, equal to the checkpoint's
+    (and with ``everywhere=True`` every rank does, in the same order);
     the probe log-probs (a forward-only schedule, computed on the last stage) equal PP=1's."""
     from megatron_tg.weight_sync.checks import probe_tokens
 
@@ -267,6 +270,11 @@ def test_every_stage_reaches_the_sender(world, layouts):
         for name, t in state.items():
             assert torch.equal(sender["streamed"][name], t), (layout, name)
         assert all(not o[i]["names"] for o in outs[1:])  # only the sender yields tensors
+        for rank, o in enumerate(outs):  # everywhere: each rank the same sequence, equal to the checkpoint's
+            assert [n for n, _ in o[i]["everywhere"]] == [n for n, _ in outs[0][i]["everywhere"]], (layout, rank)
+            assert sorted(n for n, _ in o[i]["everywhere"]) == sorted(state)
+            for name, t in o[i]["everywhere"]:
+                assert torch.equal(t, state[name]), (layout, rank, name)
         for o in outs:
             torch.testing.assert_close(o[i]["logprobs"], ref["logprobs"], atol=1e-5, rtol=1e-5)
         print(f"{layout}: max |probe log-prob diff| vs PP1 "

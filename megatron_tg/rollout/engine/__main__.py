@@ -2,7 +2,11 @@
 
 Authentication takes SGLang's flags (``--api-key``, ``--admin-api-key``, and ``--config
 FILE.yaml`` whose keys are read as flags, e.g. ``api-key: KEY``, so the key stays off the
-command line), plus ``--api-key-file`` (a 0600 file, :mod:`megatron_tg.auth`)."""
+command line), plus ``--api-key-file`` (a 0600 file, :mod:`megatron_tg.auth`).
+
+``--tp-size N`` is the CPU stand-in for SGLang's per-rank read of
+``/update_weights_from_tensor``: N payloads, every one opened and checked bit-identical
+(docs/colocated.md)."""
 
 from __future__ import annotations
 
@@ -71,6 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--enable-weights-cpu-backup", action="store_true",
                     help="SGLang's: keep a copy of the weights while released, so resume restores "
                          "them (without it they must be rewritten after resume)")
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="SGLang's tensor-parallel size, as a CPU stand-in: /server_info reports it "
+                         "and /update_weights_from_tensor then takes that many payloads, opens every "
+                         "one (each from the trainer process on that rank's GPU), refuses them unless "
+                         "they are bit-identical, and loads one; SGLang's rank r opens only entry r. "
+                         "The model still runs in this one process")
     ap.add_argument("--api-key", help="SGLang's: requests must carry 'Authorization: Bearer KEY' "
                                        "(/health*, /ready*, /metrics* stay open)")
     ap.add_argument("--admin-api-key", help="SGLang's: the admin endpoints (weight updates, pause, "
@@ -78,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--api-key-file", help="read --api-key from this file (mode 0600) instead")
     ap.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "INFO"))
     args = ap.parse_args(argv)
+    if args.tp_size < 1:
+        ap.error(f"--tp-size must be at least 1, got {args.tp_size}")
     if args.api_key_file:
         from megatron_tg.auth import SecretError, read_key
 
@@ -117,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         admin_api_key=args.admin_api_key,
         enable_memory_saver=args.enable_memory_saver,
         enable_weights_cpu_backup=args.enable_weights_cpu_backup,
+        tp_size=args.tp_size,
     )
     logging.getLogger(__name__).info("serving %s on http://%s:%d (%s)", args.model, args.host, args.port,
                                      "API key required" if args.api_key or args.admin_api_key else "no API key")

@@ -70,7 +70,14 @@ class EngineServer(WeightEndpoints, MemoryEndpoints):
         admin_api_key: str | None = None,
         enable_memory_saver: bool = False,
         enable_weights_cpu_backup: bool = False,
+        tp_size: int = 1,
     ):
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be at least 1, got {tp_size}")
+        # SGLang's --tp-size: here a stand-in for N ranks reading their own payload of
+        # /update_weights_from_tensor (weight_api.py); the model itself is one process.
+        self.tp_size = tp_size
+        self.tensor_payloads = W.PayloadAccounting()
         # SGLang's --api-key / --admin-api-key, enforced by SGLang's rule (megatron_tg.auth).
         self.api_key, self.admin_api_key = api_key or None, admin_api_key or None
         self.model_path = model_path
@@ -321,10 +328,11 @@ class EngineServer(WeightEndpoints, MemoryEndpoints):
                                       "kvcache": round(occ["kv_cache_bytes"] / 2**30, 3)}}
                 ],
                 "memory_occupation": occ,  # exact bytes (not an SGLang key)
+                "tensor_payloads": self.tensor_payloads.as_dict(),  # not an SGLang key
                 "startup_time": self.started,
                 "version": self.rules.version,  # the SGLang release whose rules it follows
                 "frontend": "embedded-cpu",
-                "tp_size": 1,
+                "tp_size": self.tp_size,
                 "pp_size": 1,
                 "dp_size": 1,
             }

@@ -15,7 +15,9 @@ tests fail the way a real server would (read from sglang 0.5.20-0.5.23's
   checker, snapshot -> reset_tensors -> update -> compare, notices).
 
 ``EngineServer(sglang_version=...)`` picks the release whose rules apply (default 0.5.23);
-``/server_info`` reports it as ``version``, with tp/pp/dp sizes of 1.
+``/server_info`` reports it as ``version``, with pp/dp sizes of 1 and ``tp_size`` 1 unless
+started with ``--tp-size N`` (then ``/update_weights_from_tensor`` takes N payloads: see
+there).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class WeightEndpoints:
     rules: SGLangRules
     memory: MemoryOccupation
     update_open: bool
+    tp_size: int
+    tensor_payloads: "W.PayloadAccounting"
     groups: dict[str, T.WeightUpdateGroup]
 
     def add_weight_routes(self, r: web.UrlDispatcher) -> None:
@@ -162,37 +166,61 @@ class WeightEndpoints:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """SGLang's body: ``serialized_named_tensors`` holds one MultiprocessingSerializer
-        payload per engine TP rank (this engine has one rank, so exactly one entry: a list of
-        another length means the sender mapped its ranks to another engine layout, refused
-        here though SGLang would read entry tp_rank and ignore the rest). ``load_format``
-        ``"flattened_bucket"`` carries {flattened_tensor, metadata}, None or ``"direct"``
-        a list of (name, tensor). The shared tensors are opened, copied into the model, and
-        dropped before the reply, so the sender may free them once it has it."""
+        payload per engine TP rank (``tp_size`` of them: a list of another length means the
+        sender mapped its ranks to another engine layout, refused here though SGLang would read
+        entry tp_rank and ignore the rest). ``load_format`` ``"flattened_bucket"`` carries
+        {flattened_tensor, metadata}, None or ``"direct"`` a list of (name, tensor).
+
+        With ``--tp-size N`` the engine stands in for SGLang's N ranks, each of which opens
+        only its own entry: it opens every entry (from N processes, each payload's memory
+        belonging to the trainer rank on that engine rank's GPU), refuses them unless all are
+        bit-identical (every SGLang rank takes its own shard of the same full tensors), and
+        loads one. The shared tensors are copied into the model and dropped before the reply,
+        so the senders may free them once they have it."""
         body = await self._body(request)
         if (refused := self._outside_begin_end("update_weights_from_tensor")) is not None:
             return refused
         payloads, fmt = body.get("serialized_named_tensors"), body.get("load_format")
-        if not isinstance(payloads, list) or len(payloads) != 1:
+        if not isinstance(payloads, list) or len(payloads) != self.tp_size:
             n = len(payloads) if isinstance(payloads, list) else payloads
             return _json({"success": False, "message": "serialized_named_tensors must hold one payload per TP rank "
-                          f"of this engine (tp_size=1), got {n!r}"}, 400)
+                          f"of this engine (tp_size={self.tp_size}), got {n!r}"}, 400)
         if fmt not in (None, "direct", T.LOAD_FORMAT_BUCKET):
             return _json({"success": False, "message": f"Unknown load_format={fmt}"}, 400)
+        objs: list = []
+        ranks: list[list[tuple[str, Any]]] = []
+        tensors: list[tuple[str, Any]] = []
+        opened: list[list[str]] = []
         try:
-            obj = await asyncio.to_thread(T.deserialize_payload, payloads[0])
-            tensors = (T.reconstruct_bucket(obj) if fmt == T.LOAD_FORMAT_BUCKET
-                       else [(str(n), t) for n, t in obj])
-        except Exception as exc:
-            return _json({"success": False, "message": f"cannot deserialize serialized_named_tensors: {exc}"}, 400)
-        try:
+            for r, payload in enumerate(payloads):
+                names: list[str] = []
+                opened.append(names)
+                try:
+                    objs.append(await asyncio.to_thread(T.deserialize_payload, payload, names))
+                    ranks.append(T.reconstruct_bucket(objs[-1]) if fmt == T.LOAD_FORMAT_BUCKET
+                                 else [(str(n), t) for n, t in objs[-1]])
+                except Exception as exc:
+                    return _json({"success": False, "message": f"cannot deserialize serialized_named_tensors[{r}] "
+                                  f"(TP rank {r}): {exc}"}, 400)
+            self.tensor_payloads.record(opened)
+            for r in range(1, len(ranks)):
+                if (why := W.first_difference(ranks[0], ranks[r])) is not None:
+                    return _json({"success": False, "message": f"serialized_named_tensors[{r}] (TP rank {r}) differs "
+                                  f"from TP rank 0's: {why}; every TP rank must receive the same full "
+                                  f"tensors"}, 400)
+            tensors = ranks[0]
             ok, msg = await self._apply(lambda: tensors, body, "update_weights_from_tensor")
         finally:
-            del obj, tensors  # close the shared-memory files before answering
+            del objs, ranks, tensors  # close the shared-memory files before answering
         return _json({"success": ok, "message": msg}, 200 if ok else 400)
 
     # ---- the weight-update group ----------------------------------------------------------
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await self._body(request)
+        if self.tp_size != 1:  # its N ranks are a stand-in for /update_weights_from_tensor only
+            return _json({"success": False, "message": f"Failed to initialize custom process group: the "
+                          f"embedded engine joins as one rank, but was started with --tp-size "
+                          f"{self.tp_size} (a stand-in for update_weights_from_tensor only)."}, 400)
         try:
             name = body.get("group_name", "weight_update_group")
             # One GPU (tp_rank 0): SGLang's rank is rank_offset + tp_rank.

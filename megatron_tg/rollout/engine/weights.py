@@ -142,6 +142,46 @@ class WeightChecker:
             raise ValueError(f"Unsupported action={action!r}")
 
 
+def first_difference(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> str | None:
+    """None if two payloads' tensors are bit-identical (names, dtypes, shapes, bytes; NaNs
+    compare by their bits), else the first difference."""
+    if [n for n, _ in a] != [n for n, _ in b]:
+        return f"tensor names {[n for n, _ in b][:8]} instead of {[n for n, _ in a][:8]}"
+    for (name, x), (_, y) in zip(a, b):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return f"tensor {name} is {y.dtype} {tuple(y.shape)} instead of {x.dtype} {tuple(x.shape)}"
+        if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            return f"tensor {name} holds other bytes"
+    return None
+
+
+class PayloadAccounting:
+    """What ``/update_weights_from_tensor`` opened, for ``/server_info`` (not an SGLang key):
+    requests, payloads opened, and which processes made the shared memory of each TP rank's
+    payload (torch's shared-memory file names carry the creator's pid), so a test can tell
+    that N payloads came from N trainer processes."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.payloads_opened = 0
+        self.last_senders: list[list[int]] = []  # per TP rank of the last request: creator pids
+        self.sender_pids: set[int] = set()
+
+    def record(self, opened: list[list[str]]) -> None:
+        from megatron_tg.rollout.transport import shm_owner_pid
+
+        self.requests += 1
+        self.payloads_opened += len(opened)
+        self.last_senders = [sorted({p for p in map(shm_owner_pid, names) if p is not None})
+                             for names in opened]
+        for pids in self.last_senders:
+            self.sender_pids.update(pids)
+
+    def as_dict(self) -> dict:
+        return {"requests": self.requests, "payloads_opened": self.payloads_opened,
+                "last_senders": self.last_senders, "sender_pids": sorted(self.sender_pids)}
+
+
 def iter_checkpoint(model_path: str):
     """(name, tensor) pairs from a directory of safetensors files."""
     from safetensors.torch import safe_open
