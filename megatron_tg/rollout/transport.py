@@ -320,6 +320,34 @@ def start_shm_manager() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+# Where torch's ``reduce_tensor`` puts the device in a CUDA tensor's rebuild arguments (torch
+# 2.13 and 2.14; SGLang 0.5.23's ``patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX`` is the same 6).
+_CUDA_DEVICE_ARG = 6
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` as this process numbers it (SGLang's ``_device_to_uuid``)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _reduce_tensor_by_uuid(tensor):
+    """torch's ``reduce_tensor``, with a CUDA tensor's device written as its UUID.
+
+    What SGLang's own senders do (``monkey_patch_torch_reductions``, as slime applies it before
+    serialising): the device index in a CUDA IPC handle is the sender's numbering, which names
+    another GPU in an engine process whose ``CUDA_VISIBLE_DEVICES`` differs. SGLang patches its
+    reader the same way before every ``update_weights_from_tensor`` (the patched
+    ``rebuild_cuda_tensor`` maps a UUID string back to its own index and passes an int through),
+    so the pickle names torch's ``rebuild_cuda_tensor``, which resolves to the patched one
+    there. CPU tensors are left to torch (their storages are shared by name, below)."""
+    from torch.multiprocessing import reductions as R
+
+    fn, args = R.reduce_tensor(tensor)
+    if fn is R.rebuild_cuda_tensor and isinstance(args[_CUDA_DEVICE_ARG], int):
+        args = (*args[:_CUDA_DEVICE_ARG], device_uuid(args[_CUDA_DEVICE_ARG]), *args[_CUDA_DEVICE_ARG + 1:])
+    return fn, args
+
+
 def _forking_pickler():
     from multiprocessing.reduction import ForkingPickler
 
@@ -329,6 +357,8 @@ def _forking_pickler():
         def __init__(self, file):
             super().__init__(file)
             self.dispatch_table[torch.UntypedStorage] = _share_storage_by_name
+            for cls in (torch.Tensor, torch.nn.Parameter):
+                self.dispatch_table[cls] = _reduce_tensor_by_uuid
 
     return _Pickler
 

@@ -8,6 +8,7 @@ entry, as SGLang's ``deserialize_own_rank`` does."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import subprocess
 import sys
@@ -116,3 +117,29 @@ def test_a_bucket_whose_metadata_does_not_match_its_bytes_is_refused():
 
 def test_memory_tags_are_sglangs():
     assert ALL_TAGS == MEMORY_TAGS
+
+
+def test_cuda_handles_carry_the_device_uuid_as_sglangs_senders_write_it(monkeypatch):
+    """A CUDA tensor's device goes out as its UUID (SGLang's monkey_patch_torch_reductions on
+    the sender's side), so an engine process that numbers its GPUs differently opens the
+    right one; everything else about torch's reduction is kept. Run on CPU with torch's
+    reduce_tensor standing in for a CUDA tensor's (the CUDA path itself: docs/first-gpu-run.md)."""
+    from torch.multiprocessing import reductions as R
+
+    from megatron_tg.rollout import transport as T
+
+    cuda_args = ("cls", (4,), (1,), 0, "storage", torch.float32, 3, b"handle", 16, 0, False, b"ref", 0, b"ev", True)
+    monkeypatch.setattr(R, "reduce_tensor", lambda t: (R.rebuild_cuda_tensor, cuda_args))
+    monkeypatch.setattr(T, "device_uuid", lambda i: f"GPU-uuid-of-{i}")
+    fn, args = T._reduce_tensor_by_uuid(torch.zeros(4))
+    assert fn is R.rebuild_cuda_tensor and args[T._CUDA_DEVICE_ARG] == "GPU-uuid-of-3"
+    assert args[:6] == cuda_args[:6] and args[7:] == cuda_args[7:]
+    monkeypatch.undo()
+    cpu = torch.arange(4.0)
+    (fn, args), (want_fn, want_args) = T._reduce_tensor_by_uuid(cpu), R.reduce_tensor(cpu)
+    assert fn is want_fn is R.rebuild_tensor and args[2] == want_args[2]  # CPU: torch's own, unchanged
+    assert args[1].data_ptr() == want_args[1].data_ptr()
+    # and the pickler uses it for tensors and parameters
+    pickler = T._forking_pickler()(io.BytesIO())
+    assert pickler.dispatch_table[torch.Tensor] is T._reduce_tensor_by_uuid
+    assert pickler.dispatch_table[torch.nn.Parameter] is T._reduce_tensor_by_uuid

@@ -153,3 +153,16 @@ def test_the_engines_reader_reads_sglangs_own_serialisation_bit_exact():
         writer.stdout.close()
         writer.stderr.close()
     assert writer.returncode == 0
+
+
+def test_the_senders_uuid_rewrite_is_sglangs():
+    """The sender writes a CUDA handle's device as its UUID at the argument SGLang's own patch
+    rewrites and reads back (utils/patch_torch.py); checked against SGLang's code, not a copy."""
+    from sglang.srt.utils import patch_torch
+
+    from megatron_tg.rollout import transport as T
+
+    assert patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX == T._CUDA_DEVICE_ARG
+    # the reader side maps a UUID string back to an index (some versions accept nothing else)
+    reader = getattr(patch_torch, "_device_from_maybe_uuid", None) or patch_torch._device_from_uuid
+    assert callable(reader) and callable(patch_torch._device_to_uuid)
