@@ -252,12 +252,18 @@ class WeightUpdateCalls:
             for name, t in named_tensors:
                 if bucket is None:
                     bucket = FlatBucket(bucket_bytes, t.device)
-                if not bucket.fits(t):
-                    if not bucket.names:
-                        raise ValueError(f"{name} ({t.numel() * t.element_size()} bytes) does not fit a "
-                                         f"{bucket_bytes}-byte bucket")
+                if not bucket.fits(t) and bucket.names:
                     sent += await self._send_bucket(url, bucket, info.tp_size)
-                bucket.add(name, t)
+                if bucket.fits(t):
+                    bucket.add(name, t)
+                    continue
+                # larger than a bucket: in a bucket of its own size, as the broadcast sends it alone
+                solo = FlatBucket(t.numel() * t.element_size(), t.device)
+                solo.add(name, t)
+                try:
+                    sent += await self._send_bucket(url, solo, info.tp_size)
+                finally:
+                    solo.release()
             if bucket is not None and bucket.names:
                 sent += await self._send_bucket(url, bucket, info.tp_size)
         except BaseException:

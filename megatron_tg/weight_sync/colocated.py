@@ -158,9 +158,14 @@ class Colocated:
 
                 start_shm_manager()
             urls = list(side.client.admin_urls)
-            infos = side.call(side.client.get_server_info(strict=True))
+            try:  # an engine that does not answer stops every rank now, not at a collective's timeout
+                infos = side.call(side.client.get_server_info(strict=True))
+            except Exception as exc:  # noqa: BLE001
+                infos, error = {}, f"rollout.placement='colocated': reading the engines' /server_info failed: {exc}"
             bare = [u for u in urls if not _uses_memory_saver(infos.get(u))]
-            if bare:
+            if error is not None:
+                pass
+            elif bare:
                 error = (f"rollout.placement='colocated': engines {bare} run without "
                          f"--enable-memory-saver; releasing their memory would free nothing")
             else:

@@ -216,12 +216,17 @@ class LockstepPush:
             for name, t in iter_hf_weights(trainer.model, trainer.arch, trainer.ctx, everywhere=True):
                 stats.tensors += 1
                 stats.bytes += t.numel() * t.element_size()
-                if not bucket.fits(t):  # the same answer on every rank: the same sizes
-                    if not bucket.names:
-                        raise ValueError(f"{name} ({t.numel() * t.element_size()} bytes) does not fit a "
-                                         f"{bucket_bytes}-byte bucket: raise rollout.sync_bucket_mb")
+                if not bucket.fits(t) and bucket.names:  # the same answer on every rank: the same sizes
                     await self._flush(bucket, stats)
-                bucket.add(name, t)
+                if bucket.fits(t):
+                    bucket.add(name, t)
+                else:  # larger than a bucket (the 30B model's embedding, 594 MiB > 512): alone
+                    solo = FlatBucket(t.numel() * t.element_size(), device)
+                    solo.add(name, t)
+                    try:
+                        await self._flush(solo, stats)
+                    finally:
+                        solo.release()
                 del t  # else it pins this parameter while the next one is gathered
             if bucket.names:
                 await self._flush(bucket, stats)
