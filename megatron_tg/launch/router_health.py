@@ -46,11 +46,16 @@ class RouterHealth:
     failure_threshold: int
     pause_s: float
     """The longest weight-sync pause the plan allows, which the flags must outlast."""
+    disabled: bool = False
+    """No health checks at all (``--disable-health-check``): colocated engines are released for
+    a whole train phase, during which SGLang's /health (it generates a token) must not reach
+    them, and no threshold outlasts a phase of hours without hiding a dead worker for as long."""
 
     def flags(self) -> list[str]:
         return ["--health-check-interval-secs", str(self.interval_s),
                 "--health-check-timeout-secs", str(self.timeout_s),
-                "--health-failure-threshold", str(self.failure_threshold)]
+                "--health-failure-threshold", str(self.failure_threshold),
+                *(["--disable-health-check"] if self.disabled else [])]
 
 
 def failing_checks(pause_s: float, interval_s: float, timeout_s: float) -> int:
@@ -79,7 +84,7 @@ def router_health(cfg: "TGConfig") -> RouterHealth:
     interval = max(math.ceil(t.health_interval_s), timeout + 1)
     pause = longest_pause_s(cfg)
     threshold = failing_checks(pause, interval, timeout) + 1
-    return RouterHealth(interval, timeout, threshold, pause)
+    return RouterHealth(interval, timeout, threshold, pause, disabled=cfg.rollout.placement == "colocated")
 
 
 def effective_flags(argv: Sequence[str]) -> dict[str, int]:
@@ -101,6 +106,11 @@ def effective_flags(argv: Sequence[str]) -> dict[str, int]:
 def check_router_argv(cfg: "TGConfig", argv: Sequence[str]) -> tuple[str, str]:
     """(PASS or FAIL, what was seen) for a router started with ``argv``: FAIL when its health
     flags let a pause the plan allows mark every worker unhealthy."""
+    if cfg.rollout.placement == "colocated":  # released engines must not be health-checked
+        if "--disable-health-check" in argv:
+            return "PASS", "health checks disabled (colocated: the engines are released while the trainer trains)"
+        return "FAIL", ("health checks on, but rollout.placement='colocated' releases the engines for every "
+                        "train phase: start the router with --disable-health-check")
     f = effective_flags(argv)
     interval, timeout, threshold = (f["--health-check-interval-secs"], f["--health-check-timeout-secs"],
                                     f["--health-failure-threshold"])

@@ -95,3 +95,16 @@ def test_task_sh_starts_the_router_with_the_plans_flags_and_the_preflight_checks
     assert check_router(R30, [], "")[1] == "SKIP"
     bare = make_plan(R30, [], Knobs(judge_model="models/judge", job_dir="JOB", router=False))
     assert not bare.router_url and bare.router_args == []  # no router, no flags
+
+
+def test_a_colocated_router_runs_without_health_checks():
+    """Colocated engines are released for every train phase: the router gets
+    --disable-health-check (tests/rollout/test_router.py: a router with it keeps a released
+    engine, one with 1 s checks drops it), and a router started without it is refused."""
+    cfg = load_config(str(ROOT / "recipes" / "tg_30b_colocated.yaml"))
+    flags = router_health(cfg).flags()
+    assert flags[-1] == "--disable-health-check"
+    assert check_router_argv(cfg, ["--worker-urls", "http://a:1", *flags])[0] == "PASS"
+    state, detail = check_router_argv(cfg, ["--worker-urls", "http://a:1", *flags[:-1]])
+    assert state == "FAIL" and "--disable-health-check" in detail
+    assert "--disable-health-check" not in router_health(load_config(R30)).flags()

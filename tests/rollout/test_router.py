@@ -379,3 +379,55 @@ def test_router_launcher_refuses_a_key_on_the_command_line(tmp_path):
                           "--api-key", "visible-in-ps"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert "--api-key-file only" in run.stderr
+
+
+def test_a_router_without_health_checks_keeps_a_released_engine(model_plain, tmp_path, http_call):
+    """Colocated engines are released for a whole train phase (/health answers 503 there): a
+    router started with --disable-health-check keeps routing to them afterwards, while one
+    with 1 s checks drops the worker within seconds (the control). What
+    router_health(cfg).flags() gives a colocated recipe."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", ENGINE_LOG_LEVEL="WARNING",
+               SGLANG_HEALTH_CHECK_TIMEOUT=str(HEALTH_TIMEOUT_S))
+    port = free_port()
+    engine = Proc([sys.executable, "-m", "megatron_tg.rollout.engine", "--model", str(model_plain),
+                   "--port", str(port), "--host", "127.0.0.1", "--threads", "1", "--enable-memory-saver"],
+                  port, tmp_path / "engine.log", env).start()
+    checks = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+              "--health-success-threshold", "1", "--health-check-timeout-secs", "3"]
+    routers = {}
+    for name, extra in (("off", ["--disable-health-check"]), ("on", [])):
+        rport = free_port()
+        routers[name] = Proc([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", engine.url,
+                              "--host", "127.0.0.1", "--port", str(rport), "--policy", "round_robin",
+                              *checks, *extra, "--worker-startup-timeout-secs", "120", "--log-level", "warn",
+                              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                             rport, tmp_path / f"router-{name}.log", env)
+
+    def healthy(router) -> list[bool]:
+        return [w["is_healthy"] for w in http_call(router.url, "/workers")[1].get("workers", [])]
+
+    try:
+        engine.wait_up(http_call)
+        for r in routers.values():
+            r.start().wait_up(http_call, "/readiness")
+            deadline = time.monotonic() + 60
+            while healthy(r) != [True]:
+                assert time.monotonic() < deadline, r.log.read_text()[-3000:]
+                time.sleep(0.2)
+        # the KV cache only: released weights come back undefined without a CPU backup
+        assert http_call(engine.url, "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+        assert http_call(engine.url, "/health", timeout=30)[0] == 503
+        deadline = time.monotonic() + 30
+        while healthy(routers["on"]) != [False]:  # the control: 1 s checks drop it
+            assert time.monotonic() < deadline, routers["on"].log.read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(3)
+        assert healthy(routers["off"]) == [True]
+        assert http_call(engine.url, "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+        status, out = http_call(routers["off"].url, "/generate",
+                                {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert status == 200 and out["meta_info"]["completion_tokens"] >= 1, out
+    finally:
+        for r in routers.values():
+            r.stop()
+        engine.stop()
