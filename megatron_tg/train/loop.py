@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_tg.config.schema import TGConfig
 from megatron_tg.sampling.protocols import MakeRolloutSource
-from megatron_tg.weight_sync.colocated import make_phases
+from megatron_tg.weight_sync.colocated import StartupRelease, make_phases
 from megatron_tg.train.manifest import write_manifest
 from megatron_tg.train.metrics import MetricsLogger
 from megatron_tg.train.samples import SampleRecorder
@@ -56,16 +56,18 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
     # First: a SIGUSR1/SIGTERM while the model loads or the engines sync must not kill the
     # process (their default action) but stop it after its first step, with a checkpoint.
     stop = StopFlag()
-    trainer = Trainer(cfg)
+    # colocated with running engines: they give their GPU memory back before the model is built
+    startup = StartupRelease.for_config(cfg)
+    trainer = Trainer(cfg, before_build=startup)
     state = trainer.resume() or {}
     rank0 = trainer.ctx.rank == 0
     side = make_rollout_side(trainer) if rank0 else None
     if side is not None and "rollouts" in state:
         side.load_state_dict(state["rollouts"])
     # rollout.placement: what runs around training (colocated: engines and trainer take turns)
-    phases = make_phases(trainer, side, SyncChecks.from_config(cfg.rollout))
-    if trainer.step > 0:  # the engines serve the base weights: bring them to the checkpoint's
-        phases.sync(restart=True)
+    phases = make_phases(trainer, side, SyncChecks.from_config(cfg.rollout),
+                         released_at_start=startup is not None and startup.released)
+    phases.start()  # a restart (or released engines): the engines get the checkpoint's weights
     if rank0:  # what produced this run, appended at every start (train/manifest.py)
         write_manifest(cfg.logging.run_dir, cfg, step=trainer.step, **side.identity())
     _say(rank0, f"resumed from checkpoint step {trainer.step} of {cfg.steps}" if trainer.step
@@ -94,6 +96,12 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
             metrics.update(phases.after_train())
             t2 = time.perf_counter()
             metrics.update(phases.sync())                                        # -> engines
+            stopping = stop.agreed(trainer.ctx.device)
+            trainer.checkpointer.finalize()  # completes the async saves every rank has written
+            due = stopping or trainer.step % cfg.checkpoint.interval == 0 or trainer.step == cfg.steps
+            if due and phases.save_before_serving:  # colocated: the engines hold their weights only
+                phases.save({"rollouts": side.state_dict() if rank0 else None})  # checkpoint
+            metrics.update(phases.after_sync())  # colocated: the engines take their memory back
             if rank0:
                 metrics.update(side.probe_metrics(trainer.step))
             tokens = sum(len(s.rollout.token_ids) for s in samples) * trainer.ctx.dims.dp
@@ -106,9 +114,7 @@ def run(cfg: TGConfig, *, make_rollout_side: MakeRolloutSource) -> int:
             log.log(trainer.step, metrics)
             if rank0:
                 records.write(trainer.step, side.last_judged, batch[0], trainer.turn_stats)
-            stopping = stop.agreed(trainer.ctx.device)
-            trainer.checkpointer.finalize()  # completes the async saves every rank has written
-            if stopping or trainer.step % cfg.checkpoint.interval == 0 or trainer.step == cfg.steps:
+            if due and not phases.save_before_serving:  # after the step's row: a kill in it keeps the row
                 phases.save({"rollouts": side.state_dict() if rank0 else None})  # checkpoint
             if stopping and trainer.step < cfg.steps:
                 trainer.checkpointer.finalize(blocking=True)  # complete before saying so

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,9 @@ def split_by_tokens(samples: Sequence[TrainSample], budget: int) -> list[list[Tr
 
 
 class Trainer:
-    def __init__(self, cfg: TGConfig, tokenizer=None) -> None:
+    def __init__(self, cfg: TGConfig, tokenizer=None, before_build: Callable[[Any], None] | None = None) -> None:
+        """``before_build(ctx)``: collective, run once the process group exists and before any
+        model, gradient or optimizer memory is allocated (colocated engines release theirs)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from transformers import AutoTokenizer
 
@@ -74,6 +76,8 @@ class Trainer:
         # One layout object from the config (checked against the model's shape), passed on.
         self.ctx = init_parallel(cfg.layout(LaunchEnv.from_env().world_size), seed=cfg.seed,
                                  backend=p.backend, timeout_s=cfg.timeouts.collective_s)
+        if before_build is not None:
+            before_build(self.ctx)
         self.arch = Qwen3Arch.from_hf(cfg.model.hf_config)
         dtype = _DTYPES[cfg.model.params_dtype]
         # Routing replay: the policy's routers get megatron's RouterReplay; the expert copy

@@ -343,9 +343,22 @@ def probe_engines(trainer, call, client, checks: SyncChecks, servers=None) -> di
 
     Rank 0 asks every engine (``call`` runs a coroutine on the rollout side's loop); the
     verdict is broadcast so that every rank stops together when an engine is wrong."""
-    ctx = trainer.ctx
+    tokens, mine = trainer_probe(trainer, checks)
+    return engine_probe(trainer, call, client, checks, tokens, mine, servers)
+
+
+def trainer_probe(trainer, checks: SyncChecks) -> tuple[list[int], torch.Tensor]:
+    """Collective: the probe sequence and the trainer's log-probs of it (the first half of
+    :func:`probe_engines`; colocated runs it before the parameters leave the GPU)."""
     tokens = probe_tokens(trainer.arch.vocab_size, checks.probe_tokens)
-    mine = trainer_logprobs(trainer.model, trainer.arch, ctx, tokens)
+    return tokens, trainer_logprobs(trainer.model, trainer.arch, trainer.ctx, tokens)
+
+
+def engine_probe(trainer, call, client, checks: SyncChecks, tokens: list[int], mine: torch.Tensor,
+                 servers=None) -> dict[str, float]:
+    """Collective: each engine's log-probs of ``tokens`` against the trainer's ``mine`` (the
+    second half of :func:`probe_engines`; needs engines that can generate)."""
+    ctx = trainer.ctx
     verdict: float | str | None = None
     if ctx.rank == 0:
         url = None

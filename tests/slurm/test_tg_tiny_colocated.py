@@ -80,6 +80,9 @@ def test_tiny_job_colocated_trains_to_the_disaggregated_losses_and_resumes(
     assert "--overlap" in text.split("start tg-train")[1].splitlines()[0], evidence
     # the time-limit path: exit 75 at a checkpoint, requeued, resumed from exactly that step
     trainer_log = (logs / "step-tg-train.log").read_text()
+    # the engine ran first (as SGLang servers do): released before the trainer built its model,
+    # at each launch, then written with the trainer's weights before the first rollout
+    assert trainer_log.count("released every tag of engines") == 2, evidence
     stops = re.findall(r"stop requested: checkpointed step (\d+), exiting 75", trainer_log)
     assert len(stops) == 1 and re.findall(rf"resumed from checkpoint step (\d+) of {STEPS}", trainer_log) == stops
     assert f"requeued job" in text and "trainer finished all steps" in text, evidence

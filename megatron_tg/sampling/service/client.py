@@ -181,8 +181,10 @@ class RolloutServiceClient:
 
     def run_sync(self, push: Callable[[], Awaitable[SyncResult]], version: int, *,
                  restart: bool = False) -> SyncResult:
-        if restart:  # the engines just started: nothing generates, no version to bump
-            return self.call(push())
+        if restart:  # the engines just started: nothing generates; serve the pushed version
+            stats = self.call(push())
+            self._call("adopt_version", version=version)  # as the in-process side adopts it
+            return stats
         self._call("sync_begin", version=version)
         try:
             stats = self.call(push())

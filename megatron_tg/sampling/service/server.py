@@ -91,6 +91,7 @@ METHODS: dict[str, dict[str, tuple[type, ...]]] = {
     "next_batch": {"version": _INT},
     "sync_begin": {"version": _INT},
     "sync_end": {"ok": _BOOL, "error": _STR_OR_NONE},
+    "adopt_version": {"version": _INT},
     "probe_metrics": {"step": _INT},
     "identity": {}, "state_dict": {}, "load_state_dict": {"state": _DICT},
     "close": {},
@@ -250,6 +251,16 @@ class RolloutService:
             except RuntimeError:
                 pass
         return {"version": self.side.manager.version}
+
+    def _adopt_version(self, version: int) -> dict[str, Any]:
+        """The trainer pushed ``version`` straight into the engines (a restart): serve it."""
+        manager = self.side.manager
+
+        async def adopt() -> None:
+            manager.adopt_version(version)
+
+        asyncio.run_coroutine_threadsafe(adopt(), self.side.loop).result()
+        return {"version": manager.version}
 
     def _probe_metrics(self, step: int) -> dict[str, float]:
         return self.side.probe_metrics(step)
