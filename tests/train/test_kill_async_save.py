@@ -16,7 +16,8 @@ import time
 import pytest
 
 from megatron_tg.testing.processes import wait_or_dump
-from tests.train.test_kill_resume import RUBRIC, _last_by_step, _latest, _rows, _start, _tail, policy_dir  # noqa: F401
+from tests.train.test_kill_resume import (RUBRIC, _last_by_step, _latest, _rows, _start, _tail,  # noqa: F401
+                                          kill_group, policy_dir)
 
 # Every test here under NCCL's rules (tests/conftest.py: comm_rules; plain gloo on request).
 pytestmark = pytest.mark.usefixtures("comm_rules")
@@ -37,8 +38,7 @@ def test_sigkill_during_an_async_save_resumes_from_the_previous_checkpoint(polic
         assert proc.poll() is None, f"the run ended before step {K}'s save:\n{_tail(run)}"
         assert time.monotonic() < deadline, _tail(run)
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    kill_group(proc)
     assert proc.returncode == -signal.SIGKILL
     assert _latest(run) == f"step_{K - 1:08d}", _latest(run)  # the killed save never became latest
     first_life = _last_by_step(_rows(run))

@@ -74,9 +74,18 @@ def _start(policy_dir, run_dir: Path, rubric: Path) -> subprocess.Popen:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID"):
         env.pop(k, None)
     log = open(run_dir / "trainer.log", "ab")
+    # its own process group: the kill takes the trainer's helper processes with it (megatron's
+    # async-save worker), as a node's loss does; a SIGKILL to the trainer alone left them
+    # running, reparented to init, after the test (seen in CI)
     return subprocess.Popen([sys.executable, "-m", "megatron_tg.train", "--recipe",
                              "recipes/tiny_cpu.yaml", *overrides],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the trainer and every process of its group; then reap the trainer."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -113,8 +122,7 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(policy_dir, tmp
         assert b.poll() is None, f"run B ended before it could be killed:\n{_tail(b_dir)}"
         assert time.monotonic() < deadline, _tail(b_dir)
         time.sleep(0.05)
-    b.send_signal(signal.SIGKILL)
-    b.wait(timeout=60)
+    kill_group(b)
     assert b.returncode == -signal.SIGKILL
     killed_rows = len(_rows(b_dir))
     assert killed_rows in (K, K + 1), killed_rows  # killed in step K+1 (rarely after logging it)
