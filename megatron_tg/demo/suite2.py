@@ -69,6 +69,16 @@ def base_record_path(suite: str, root: Path | None = None) -> Path:
     return Path(root or ROOT) / RESULTS / f"claims2-{suite}-base.json"
 
 
+def environment() -> dict[str, str]:
+    """The library versions a base's build hash covers besides its settings and the package's
+    source (:func:`.base_model.build_hash`): the same settings under another transformers
+    build another base (P's 1e-3 level: 8.4e-4 under 5.24.0, 2.6e-4 under 5.25.0)."""
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def write_base_record(suite: str, bases: Mapping[str, Mapping[str, Any]], log, root: Path | None = None) -> Path:
     """The build-only step's output: each base's build hash and measured metrics, written to
     ``docs/results/claims2-<suite>-base.json`` to be committed before any RL run from them."""
@@ -76,8 +86,9 @@ def write_base_record(suite: str, bases: Mapping[str, Mapping[str, Any]], log, r
 
     path = base_record_path(suite, root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rec = {"suite": suite, "bases": {k: {x: v for x, v in b.items() if isinstance(v, (int, float, str))
-                                         and x != "cached"} for k, b in bases.items()}}
+    rec = {"suite": suite, "environment": environment(),
+           "bases": {k: {x: v for x, v in b.items() if isinstance(v, (int, float, str))
+                         and x != "cached"} for k, b in bases.items()}}
     _write_atomic(path, json.dumps(rec, indent=2, sort_keys=True, default=float) + "\n")
     hashes = ", ".join(f"{k} {b['build_hash'][:16]}" for k, b in bases.items())
     log(f"base record -> {path}: commit it before any RL run from these bases ({hashes})")
@@ -106,8 +117,11 @@ def bases_recorded(bases: Mapping[str, Mapping[str, Any]], log, enforce: bool = 
     if not missing:
         log("bases recorded in " + RESULTS + ": " + ", ".join(f"{k} {b['build_hash'][:16]}" for k, b in bases.items()))
         return True
-    what = (f"base build hash not committed under {RESULTS}: {', '.join(missing)} (run the suite with "
-            f"--build-only, commit its record, then run)")
+    env = ", ".join(f"{k} {v}" for k, v in environment().items())
+    what = (f"base build hash not committed under {RESULTS}: {', '.join(missing)}; the hash covers the settings, "
+            f"the base modules' source and the library versions (here {env}; a committed record names the "
+            f"ones it was built under: install those), or run the suite with --build-only, commit its "
+            f"record, then run")
     if enforce:
         log(f"REFUSED: {what}; no RL run is made")
         return False
