@@ -162,17 +162,20 @@ def build(ws, solution, protected, opaque, libs, runner_dir):
     start_lock = threading.Lock()
     real_start = _thread.start_new_thread
 
+    # Installed as _thread.start_new_thread, so reachable from any code: it closes over
+    # nothing (an unaudited read of its __closure__ led to culprit, kind and their cache).
     def start_new_thread(function, args, kwargs=None, _real=real_start, _origins=origins, _lock=start_lock,
-                         _busy=busy):
-        me = getident()
+                         _busy=busy, _getident=getident, _culprit=culprit, _getframe=getframe,
+                         _main=main_thread):
+        me = _getident()
         added = me not in _busy
         _busy.add(me)  # this frame read is the runner's own: not judged
         try:
-            starter = culprit(getframe(1))
+            starter = _culprit(_getframe(1))
         finally:
             if added:
                 _busy.discard(me)
-        if starter is None and me != main_thread:
+        if starter is None and me != _main:
             starter = _origins.get(me, "a thread of unknown origin")
         with _lock:  # the new thread's events wait for its record (thread_origin)
             ident = _real(function, args) if kwargs is None else _real(function, args, kwargs)

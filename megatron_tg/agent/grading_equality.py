@@ -116,6 +116,31 @@ def install(classify, protected, disguised, run_by_policy, referents, define) ->
         _known[id(cls)] = (cls, ok)
         return ok
 
+    def made_by_policy(t, _heap=1 << 9, _library_class=library_class, _cdict=_real_dict, _modules=sys.modules,
+                       _classify=classify, _protected=protected) -> bool:
+        """Whether the operand's own class is one the policy made: a class made at run time that
+        no library (or test) module holds under its own name. Its comparison may be a library's
+        (``Fraction.__eq__``, ``ndarray.__eq__``), but that comparison answers through the
+        class's own attributes (a ``_numerator`` property, an ``__array_ufunc__``), so the
+        operand is judged as the policy's: its claim must be granted by the builtin's operator."""
+        if not t.__flags__ & _heap or _library_class(t, None):
+            return False
+        m = _modules.get(_cdict(t).get("__module__"))
+        f = getattr(m, "__file__", None) if type(m) is types.ModuleType else None
+        return not (isinstance(f, str) and str.__str__(f) in _protected)
+
+    def object_array(x, t, _modules=sys.modules) -> bool:
+        """A numpy array of dtype object: it compares element by element with its elements'
+        own ``__eq__``, and holds them where ``gc.get_referents`` does not look (numpy arrays
+        are not tracked), so whose comparison decides cannot be seen."""
+        np = _modules.get("numpy")
+        if np is None or t is not getattr(np, "ndarray", None):
+            return False
+        try:
+            return bool(x.dtype.hasobject)
+        except Exception:
+            return True
+
     def claims(x, name, probe) -> bool:
         """Does ``x`` claim to equal (or contain) an arbitrary object? An honest ``__eq__``
         says no; the always-equal object of reward hacking says yes."""
@@ -237,7 +262,8 @@ def install(classify, protected, disguised, run_by_policy, referents, define) ->
 
     def disagrees(x, b, op, budget, again=False, _classify=classify, _values=BUILTIN_VALUES, _protected=protected,
                   _claims=claims, _Probe=_Probe, _comparer=comparer, _forwarders=OPAQUE_FORWARDERS,
-                  _wrapped=wrapped, _nothing=_nothing, _near=near_miss, _holds=holds_foreign):
+                  _wrapped=wrapped, _nothing=_nothing, _near=near_miss, _holds=holds_foreign, _made=made_by_policy,
+                  _object_array=object_array):
         """Where ``x`` is compared with the builtin value ``b``: the first part of ``x`` (itself,
         or an item at the same place in a builtin container) whose comparison the policy (or
         pytest: ``approx`` handed back as a result) wrote and which claims equality that
@@ -289,6 +315,11 @@ def install(classify, protected, disguised, run_by_policy, referents, define) ->
             else:
                 ours = heap_c
         held = None
+        if not ours:
+            # judged by the operand's exact class: a subclass the policy made answers through
+            # its own attributes even where the comparison is a library's; an object array's
+            # elements answer for it
+            ours = _made(t) or _object_array(x, t)
         if not ours:
             # a library's comparison deciding by state the policy put in (a Fraction whose
             # numerator is the policy's object) is the policy's: its claim must be granted by

@@ -39,18 +39,67 @@ def inner_of(fn, _fn=types.FunctionType, _m=types.MethodType, _partial=functools
     return None
 
 
+def _python_items():
+    """The item classes pytest makes for a test function of a ``.py`` test file: its own
+    ``Function`` and, for ``unittest.TestCase`` methods, ``TestCaseFunction``; exactly these,
+    no subclass (a subclass's ``runtest`` decides what "ran" means)."""
+    from _pytest.python import Class, Function, Module
+    out = [Function]
+    parents = [Module, Class]
+    try:
+        from _pytest.unittest import TestCaseFunction, UnitTestCase
+        out.append(TestCaseFunction)
+        parents.append(UnitTestCase)
+    except ImportError:  # pragma: no cover - every pytest this runs with has them
+        pass
+    return tuple(out), tuple(parents)
+
+
 def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_arg, defs):
     """The checks, bound to the runner's view of the run: ``classify(filename)`` says whose
     code a file is; ``code_of(fn)`` reads a function's code without the audit hook judging
     the read; ``checked`` is the comparison every test function must have bound; ``defs``
     what the test files defined (the runner's records, see ``called_problem``)."""
+    item_classes, parent_classes = _python_items()
+
+    def kind_problem(item, _classes=item_classes, _parents=parent_classes, _protected=protected, _ws=ws,
+                     _norm=norm, _name=type.__dict__["__name__"].__get__):
+        """Why an item under a node id of one of the task's ``.py`` test files is not one
+        pytest's own collection of that file makes, or None: its class not exactly pytest's
+        ``Function`` (or unittest's ``TestCaseFunction``), or a parent that is not exactly a
+        ``Module``/``Class`` of pytest's. A swapped item (the seventh review's: a plugin's
+        own ``Item``, a ``Function`` subclass whose ``runtest`` does nothing, made during
+        collection under the test's node id) is flagged by its class, whatever it does."""
+        nodeid = item.nodeid
+        head = str.__str__(nodeid).partition("::")[0] if isinstance(nodeid, str) else ""
+        files = {_ws + head}
+        path = getattr(item, "path", None)
+        if path is not None:
+            files.add(_norm(str(path)))
+        if not any(f in _protected and f.endswith(".py") for f in files):
+            return None
+        t = type(item)
+        if t not in _classes:
+            return f"{nodeid!s:.200}: an item of class {_name(t)!s:.60} under a test file's node id"
+        p = getattr(item, "parent", None)
+        for _ in range(8):
+            if p is None or type(p).__name__ in ("Session", "Package", "Dir", "Directory"):
+                break
+            if type(p) not in _parents:
+                return f"{nodeid!s:.200}: its parent is a {_name(type(p))!s:.60}, not pytest's module or class"
+            p = getattr(p, "parent", None)
+        return None
     def item_problem(item, _module=types.ModuleType, _code_file=code_file, _norm=norm, _protected=protected,
                      _code_of=code_of, _same_as_defined=lambda item: called_problem(item) is None
-                     and type(expected_call(item.nodeid)) is tuple):
+                     and type(expected_call(item.nodeid)) is tuple, _kind=kind_problem):
         """Why the function pytest is about to call is not the test its file defines, or None:
-        the module's class swapped (it hands pytest whatever it likes), or the function's code
-        (through bound methods and ``functools.wraps``) not from the item's own test file or
-        another test file, or another test's code put under this test's name."""
+        an item of another class under a test file's node id, the module's class swapped (it
+        hands pytest whatever it likes), or the function's code (through bound methods and
+        ``functools.wraps``) not from the item's own test file or another test file, or
+        another test's code put under this test's name."""
+        bad = _kind(item)
+        if bad:
+            return bad
         mod = getattr(item, "module", None) if hasattr(item, "originalname") else None
         if mod is None:
             return None  # not a python test function (a doctest, a plugin's own item)

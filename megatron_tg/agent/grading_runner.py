@@ -126,10 +126,17 @@ def main() -> None:
         reason = str(reason)[:500]
         # bounded: a flood of flags cannot fill the host's buffer; and each reason once, so
         # that a walk repeating one (pytest rendering a traceback frame by frame) leaves room
-        if flags[0] < 50 and reason not in flagged:
-            flags[0] += 1
-            flagged.add(reason)
-            emit({"t": "flag", "reason": reason})
+        # Fails closed: a flag is dropped only once 50 distinct ones were written, so a
+        # counter set past the bound by other code (the seventh review reached it through a
+        # closure) still lets the first flag through, and one flag fails the grade.
+        if reason in flagged:
+            return
+        n = flags[0]
+        if type(n) is int and 50 <= n == len(flagged):
+            return
+        flags[0] = len(flagged) + 1
+        flagged.add(reason)
+        emit({"t": "flag", "reason": reason})
 
     def from_pytest(frame) -> bool:
         """A result may only come from this runner's plugin, called (through pluggy) by
@@ -160,12 +167,20 @@ def main() -> None:
     def snap(cls, depth=0, _classes=classes, _cdict=cdict):
         d = dict(_cdict(cls))
         _classes[id(cls)] = (cls, d)
-        for v in d.values():
-            if depth < 4 and issubclass(type(v), type) and id(v) not in _classes:
-                snap(v, depth + 1)
+        todo = [(v, depth + 1) for v in d.values()]
+        while todo:  # a loop, not a recursive call: a closure over ``snap`` would be one more cell
+            v, n = todo.pop()
+            if n <= 4 and issubclass(type(v), type) and id(v) not in _classes:
+                vd = dict(_cdict(v))
+                _classes[id(v)] = (v, vd)
+                todo.extend((w, n + 1) for w in vd.values())
 
-    def define(path, name, value, _busy=busy, _getframe=sys._getframe, _defined=defined, _snap=snap, _real=realpath):
-        me = getident()
+    # The builtin DEF_NAME: reachable from any code, so it closes over nothing. Reading a
+    # function's ``__closure__`` raises no audit event (its ``__defaults__`` does), and a
+    # closure over ``flag`` led on to ``emit``, the nonce and the attribution cache.
+    def define(path, name, value, _busy=busy, _getframe=sys._getframe, _defined=defined, _snap=snap, _real=realpath,
+               _getident=getident, _flag=flag, _culprit=culprit):
+        me = _getident()
         added = me not in _busy
         _busy.add(me)  # the runner's own frame read: not judged
         try:
@@ -173,8 +188,8 @@ def main() -> None:
             fn = code.co_filename
             if not (type(path) is str and type(name) is str and code.co_name == "<module>"
                     and isinstance(fn, str) and _real(str.__str__(fn)) == path):
-                flag(f"the runner's record of a test file's definitions called by other code "
-                     f"({culprit(_getframe(1), deep=True) or fn!s:.200})")
+                _flag(f"the runner's record of a test file's definitions called by other code "
+                      f"({_culprit(_getframe(1), deep=True) or fn!s:.200})")
                 return
             _defined.setdefault(path, {})[name] = value
             if issubclass(type(value), type):

@@ -36,7 +36,7 @@ from .hostile_review6 import HOST_SIDE as REVIEW6_HOST_SIDE
 from .hostile_review6 import LEFT_OPEN as REVIEW6_LEFT_OPEN
 from .hostile_review7 import ATTACKS as REVIEW7
 from .hostile_review7 import HOST_SIDE as REVIEW7_HOST_SIDE
-from .hostile_review7 import LEFT_OPEN as REVIEW7_LEFT_OPEN
+from .hostile_review7 import PASSED_ON_63030D4 as REVIEW7_PASSED
 from .test_grading import CORRECT, LIMITS, TASK, WRONG, grade
 
 # ---------------------------------------------------------------- in-process tampering
@@ -730,19 +730,12 @@ def test_the_sixth_review_s_many_empty_files_are_refused_after_a_bounded_read(gr
     assert not g.passed and g.reason == f"not graded: the change has more than {MAX_CHANGED_FILES} added or changed files"
 
 
-def test_what_the_seventh_review_left_open_is_named_in_the_residual_risks():
-    """The seventh review's solutions the grader still passes (and its grading-cost case) are
-    not mended yet: each is one of that review's and is named in docs/grading.md's residual
-    risks."""
-    risks = (REPO / "docs" / "grading.md").read_text().split("## Residual risks", 1)[1]
-    assert set(REVIEW7_LEFT_OPEN) <= set(REVIEW7)
-    missing = [doc for doc in REVIEW7_LEFT_OPEN.values() if f"`{doc}`" not in risks]
-    assert not missing, missing
-
-
-@pytest.mark.parametrize("name", [n for n in REVIEW7 if n not in REVIEW7_LEFT_OPEN and n not in REVIEW7_HOST_SIDE])
-def test_the_seventh_review_s_caught_solutions_stay_fail(grader, name, tmp_path):
-    """The two the seventh review's solutions that the grader caught on 63030d4 stay caught."""
+@pytest.mark.parametrize("name", [n for n in REVIEW7 if n not in REVIEW7_HOST_SIDE])
+def test_the_seventh_review_s_solutions_are_graded_fail(grader, name, tmp_path):
+    """Every solution of the seventh review is graded FAIL by the runner: the two it caught on
+    63030d4, and the nine it passed there (REVIEW7_PASSED: library containers and subclasses
+    the equality check could not see into, items swapped under the hidden tests' node ids, the
+    runner's state reached through closures)."""
     spec = REVIEW7[name]
     ctx: dict = {"sandbox": grader.sandbox}
 
@@ -752,3 +745,17 @@ def test_the_seventh_review_s_caught_solutions_stay_fail(grader, name, tmp_path)
                                            before_adopt=hook(spec["setup"]),
                                            after_adopt=hook(spec["after_adopt"]))
     assert not g.passed, (name, g.reason, g.flags, g.output[-2000:])
+
+
+def test_no_runner_function_reachable_without_an_audited_read_closes_over_state(grader):
+    """On 63030d4 the walk found ``@tg_def`` -> ``flag`` -> ``emit`` and
+    ``_thread.start_new_thread`` -> ``culprit`` -> ``kind`` (the seventh review's closure
+    walks); now it visits the whole reachable graph and finds no door."""
+    from .reach_walk import SOURCE
+    g = grade(grader, {"calc.py": SOURCE})
+    assert not g.passed
+    found = {x.strip() for line in g.output.splitlines() if "RuntimeError: REACH " in line
+             for x in line.split("RuntimeError: REACH ", 1)[1].split(" | ")}
+    visited = [x for x in found if x.startswith("visited ")]
+    assert visited and all(int(x.split()[1]) > 10_000 for x in visited), g.output[-3000:]  # the walk ran
+    assert found == set(visited), sorted(found - set(visited))
