@@ -173,6 +173,22 @@ def build_base_model(out_dir: str | os.PathLike, *, seed: int = 0, steps: int | 
         extra={"hint_text": T.HINT, "hint_role": T.FEEDBACK_ROLE, "feedback": T.FEEDBACK})
 
 
+def weights_digest(out_dir: str | os.PathLike) -> str:
+    """A digest of the saved weights (names, dtypes, shapes and bytes, in name order): which
+    base a build made. The build hash names the inputs, and the same inputs train other
+    weights on another CPU (the claims' P bases, docs/claims-2.md's amendments), so a record
+    holds both."""
+    from safetensors.torch import load_file
+
+    h = hashlib.sha256()
+    tensors = load_file(str(Path(out_dir) / "model.safetensors"))
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def build_with(out_dir: str | os.PathLike, cfg: BaseModelConfig, h: str, *, corpus, examples,
                evaluate_fn, extra: dict[str, Any], force: bool = False, log=None) -> dict[str, Any]:
     """The build steps shared by this module's base model and the paper suite's
@@ -184,7 +200,7 @@ def build_with(out_dir: str | os.PathLike, cfg: BaseModelConfig, h: str, *, corp
     out = Path(out_dir)
     prev = load_metrics(out)
     if not force and prev is not None and prev.get("build_hash") == h and _complete(out):
-        return {**prev, "cached": True}
+        return {**prev, "weights_sha256": weights_digest(out), "cached": True}
 
     say = log or (lambda s: None)
     t_start, c_start = time.perf_counter(), time.process_time()
@@ -235,7 +251,7 @@ def build_with(out_dir: str | os.PathLike, cfg: BaseModelConfig, h: str, *, corp
         metrics["build_seconds"] = round(time.perf_counter() - t_start, 1)
         metrics["build_cpu_seconds"] = round(time.process_time() - c_start, 1)
         mp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        return {**metrics, "cached": False}
+        return {**metrics, "weights_sha256": weights_digest(out), "cached": False}
     finally:
         torch.set_num_threads(old_threads)
 

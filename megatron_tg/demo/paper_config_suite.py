@@ -39,8 +39,12 @@ LEVELS: dict[str, dict[str, float]] = {
     # (full size, seed 0; base_model.build_base_model with these overrides, before any RL run
     # on it, and before the base modules' behaviour-neutral split, which changed the build
     # hash, then 134e28e4e062eb5b) measured p_branch_no_hint_mean 8.4e-4 (max 1.4e-3), task
-    # success 0.984 without hint: within the factor of 3 the document asks.
-    "1e-3": dict(new_no_hint_fraction=0.05, new_no_hint_branch_weight=0.046),
+    # success 0.984 without hint: within the factor of 3 the document asks. Built again on
+    # another CPU (the machine the runs are made on) the same settings measured 2.62e-4,
+    # outside it, and the 1e-4 and 1e-2 levels 4.83e-5 and 5.06e-3: rebuilt once, as
+    # docs/claims-2.md's P rule allows, at the weight where the line through that machine's
+    # 0.046 and 0.2 points (log-log slope 2.0) gives 1e-3: w = 0.09.
+    "1e-3": dict(new_no_hint_fraction=0.05, new_no_hint_branch_weight=0.09),
     "1e-2": dict(phase.LEVELS["1e-2"]),
 }
 """Target level -> base build overrides (the phase experiment's 1e-4 and 1e-2 ones, and 1e-3)."""

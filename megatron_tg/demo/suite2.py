@@ -96,8 +96,8 @@ def write_base_record(suite: str, bases: Mapping[str, Mapping[str, Any]], log, r
 
 
 def recorded(build_hash: str, root: Path | None = None) -> bool | None:
-    """Whether the hash is in a file under ``docs/results/`` as committed at HEAD (None
-    without git)."""
+    """Whether the hash (or any string: a weights digest) is in a file under
+    ``docs/results/`` as committed at HEAD (None without git)."""
     import subprocess
 
     try:
@@ -108,20 +108,33 @@ def recorded(build_hash: str, root: Path | None = None) -> bool | None:
     return True if r.returncode == 0 else False if r.returncode == 1 else None
 
 
+def _unrecorded(k: str, b: Mapping[str, Any], root: Path | None) -> str | None:
+    """Why base ``k`` is not the committed one, or None: its build hash not committed, or
+    (same inputs, other weights: another CPU) its weights digest not committed beside it."""
+    if recorded(b["build_hash"], root) is not True:
+        return f"{k}: build hash {b['build_hash'][:16]} not committed"
+    w = b.get("weights_sha256")
+    if w is None or recorded(f'"weights_sha256": "{w}"', root) is not True:
+        return (f"{k}: build hash {b['build_hash'][:16]} committed, but not these weights ({w}): the same settings "
+                f"trained other weights here (base builds are not bit-reproducible across CPUs), so this is not "
+                f"the recorded base; rebuild its record on this machine as an amendment")
+    return None
+
+
 def bases_recorded(bases: Mapping[str, Mapping[str, Any]], log, enforce: bool = True,
                    root: Path | None = None) -> bool:
     """The rule that bases are fixed before any RL run on them, development runs included:
     False (refuse) when a base's hash is not committed under ``docs/results/``; ``enforce``
     False (tests' tiny bases only) turns the refusal into a warning."""
-    missing = [f"{k} {b['build_hash'][:16]}" for k, b in bases.items() if recorded(b["build_hash"], root) is not True]
+    missing = [m for m in (_unrecorded(k, b, root) for k, b in bases.items()) if m]
     if not missing:
-        log("bases recorded in " + RESULTS + ": " + ", ".join(f"{k} {b['build_hash'][:16]}" for k, b in bases.items()))
+        log("bases recorded in " + RESULTS + ": " + ", ".join(f"{k} {b['build_hash'][:16]} (weights "
+                                                          f"{b.get('weights_sha256')})" for k, b in bases.items()))
         return True
     env = ", ".join(f"{k} {v}" for k, v in environment().items())
-    what = (f"base build hash not committed under {RESULTS}: {', '.join(missing)}; the hash covers the settings, "
-            f"the base modules' source and the library versions (here {env}; a committed record names the "
-            f"ones it was built under: install those), or run the suite with --build-only, commit its "
-            f"record, then run")
+    what = (f"base not committed under {RESULTS}: {'; '.join(missing)}. The hash covers the settings, the base "
+            f"modules' source and the library versions (here {env}; a committed record names the ones it was "
+            f"built under: install those); or run the suite with --build-only, commit its record, then run")
     if enforce:
         log(f"REFUSED: {what}; no RL run is made")
         return False

@@ -381,3 +381,21 @@ def test_plain_new_examples_train_the_new_call_with_a_weighted_branch(tok):
     # the knob off: no such example, and the default draw is unchanged
     assert not [e for e in SD.sft_examples(tok, 120, seed=0, hint_fraction=0.5, context_fraction=0.2)
                 if e.kind == "plain_new"]
+
+
+def test_the_weights_digest_names_the_weights_not_the_file(tmp_path):
+    """Two saves of the same tensors digest alike; one changed value changes it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megatron_tg.demo.base_model import weights_digest
+
+    t = {"b": torch.arange(6, dtype=torch.float32).reshape(2, 3), "a": torch.ones(4, dtype=torch.bfloat16)}
+    for d, ts in (("x", t), ("y", dict(reversed(list(t.items()))))):
+        (tmp_path / d).mkdir()
+        save_file(ts, str(tmp_path / d / "model.safetensors"), metadata={"format": "pt", "d": d})
+    assert weights_digest(tmp_path / "x") == weights_digest(tmp_path / "y")
+    t["b"][1, 2] = 5.000001
+    (tmp_path / "z").mkdir()
+    save_file(t, str(tmp_path / "z" / "model.safetensors"))
+    assert weights_digest(tmp_path / "z") != weights_digest(tmp_path / "x")

@@ -56,7 +56,7 @@ def fake(monkeypatch, tmp_path):
         return got
 
     def base(out_dir, seed=0, log=None, **kw):
-        return {"build_hash": "f" * 64, "success_no_hint": 0.5, "search_lines_no_hint": 0.1,
+        return {"build_hash": "f" * 64, "weights_sha256": "e" * 16, "success_no_hint": 0.5, "search_lines_no_hint": 0.1,
                 "answer_style_no_hint": 0.5, "brief_thinking_no_hint": 0.5, "success_all_hints": 0.9,
                 "search_lines_all_hints": 0.9}
     monkeypatch.setattr(R, "run_all", run_all)
@@ -140,7 +140,24 @@ def test_build_only_writes_the_record_and_an_unrecorded_base_is_refused(fake, tm
     assert DS.run(args(tmp_path, seeds=(0,)), "python", said.append) == U.BASE_UNRECORDED and not fake
     assert said[-1].startswith("REFUSED") and "--build-only" in said[-1]
     assert DS.run(args(tmp_path, seeds=(0,)), "python", said.append, require_record=False) == 0
-    assert any(s.startswith("WARNING: base build hash not committed") for s in said)
+    assert any(s.startswith("WARNING: base not committed") for s in said)
+
+
+def test_a_base_with_the_recorded_hash_but_other_weights_is_refused(fake, tmp_path, monkeypatch):
+    """The same settings train other weights on another CPU: the build hash names the inputs,
+    the weights digest the base. A record with the hash but not the digest is not this base."""
+    said = []
+    assert DS.run(args(tmp_path, build_only=True), "python", said.append) == 0
+    rec = json.loads((tmp_path / "docs" / "results" / "claims2-dip-base.json").read_text())
+    assert rec["bases"]["D"]["weights_sha256"] == "e" * 16 and set(rec["environment"]) == {"torch", "transformers"}
+    committed = json.dumps(rec, indent=2, sort_keys=True)
+    monkeypatch.setattr(U, "recorded", lambda h, root=None: h in committed)
+    assert DS.run(args(tmp_path, seeds=(0,)), "python", said.append) == 0 and fake  # hash and weights committed
+    fake.clear()
+    committed = committed.replace("e" * 16, "d" * 16)  # the record another machine's build wrote
+    assert DS.run(args(tmp_path, seeds=(0,)), "python", said.append) == U.BASE_UNRECORDED and not fake
+    assert said[-1].startswith("REFUSED") and "not these weights (eeeeeeeeeeeeeeee)" in said[-1]
+    assert "not bit-reproducible across CPUs" in said[-1]
 
 
 def test_paper_config_gates_every_level(fake, tmp_path, monkeypatch, capsys):
@@ -148,7 +165,7 @@ def test_paper_config_gates_every_level(fake, tmp_path, monkeypatch, capsys):
 
     def base(out_dir, seed=0, log=None, **kw):
         lvl = next(k for k, v in PS.LEVELS.items() if all(kw.get(x) == y for x, y in v.items()))
-        return {"build_hash": lvl * 8, "p_branch_no_hint_mean": p[lvl], "p_branch_no_hint_max": p[lvl],
+        return {"build_hash": lvl * 8, "weights_sha256": lvl * 4, "p_branch_no_hint_mean": p[lvl], "p_branch_no_hint_max": p[lvl],
                 "new_format_no_hint": 0.0, "success_no_hint": 0.98, "new_format_hint": 0.9}
     monkeypatch.setattr(PS.B, "build_base_model", base)
     said = []
@@ -248,7 +265,7 @@ def test_the_stability_suite_on_real_tiny_runs(tmp_path, capsys):
     finally:
         torch.set_num_threads(n)
     printed = capsys.readouterr().out
-    assert any(s.startswith("WARNING: base build hash not committed") for s in said)
+    assert any(s.startswith("WARNING: base not committed") for s in said)
     assert any(s.startswith("S base: success_no_hint") and "wrong_answer_fraction 0.5" in s for s in said)
     rec = json.loads((out / "stability.json").read_text())
     assert rec["seeds"] == [0] and rec["steps"] == 3 and "development seeds" in rec["seed_set"]
