@@ -58,6 +58,7 @@ RUNNER_FILES = {"run.py": RUNNER, **{name: RUNNER.with_name(name) for name in (
     "grading_asserts.py", "grading_attribution.py", "grading_equality.py", "grading_hook.py", "grading_items.py",
     "grading_namespaces.py", "grading_sources.py")}}
 EVIDENCE_REPLACED = 3  # the runner's exit status when the evidence pipe was not the one it was given
+FLAGS_EXHAUSTED = 4  # the runner's exit status when a flag came past its budget of distinct flags
 GRADER_INI = "[pytest]\naddopts =\n"
 MAX_EVIDENCE_BYTES = 16 << 20
 
@@ -173,6 +174,9 @@ class Grader:
             return GradeResult(False, missing, "the test run's evidence pipe was replaced (its descriptor pointed "
                                "elsewhere: the records would have gone where the grader does not read)",
                                res.describe(), [], ignored)
+        if res.exit_code == FLAGS_EXHAUSTED:
+            return GradeResult(False, missing, "tampering detected: more flags than the runner records (it stopped "
+                               "at the first one past its budget)", res.describe(), [], ignored)
         return verdict(task, data, nonce, canaries, res.describe(), ignored)
 
 

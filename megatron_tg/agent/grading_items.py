@@ -122,12 +122,18 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_arg, d
         return None
 
 
-    def test_modules(_modules=sys.modules, _protected=protected):
-        """The loaded modules of the task's test files (hidden tests, conftest, test helpers)."""
+    def test_modules(_modules=sys.modules, _protected=protected, _module=types.ModuleType,
+                     _mdict=types.ModuleType.__dict__["__dict__"].__get__):
+        """The loaded modules of the task's test files (hidden tests, conftest, test helpers).
+        Read through the module type's own descriptor: a lookup would run a policy module's
+        ``__getattr__`` inside the check."""
         out = []
         for m in list(_modules.values()):
-            f = getattr(m, "__file__", None)
-            if type(f) is str and f in _protected and type(getattr(m, "__dict__", None)) is dict:
+            if type(m) is not _module:
+                continue
+            d = _mdict(m)
+            f = dict.get(d, "__file__") if type(d) is dict else None
+            if type(f) is str and f in _protected:
                 out.append(m)
         return out
 

@@ -18,6 +18,7 @@ import sys
 import types
 
 ROOT_NAMES = ("pytest", "_pytest", "pluggy")
+MAX_MODULES = 20_000  # an honest run loads a few thousand; the check before each record walks them all
 RUNNER_PREFIX = "tg_runner_"  # the runner's sibling modules, as run.py registers them
 WATCHED_STDLIB = frozenset({"os", "posixpath", "json", "json.encoder", "ast", "threading", "subprocess",
                             "_posixsubprocess", "_signal", "signal", "_imp", "warnings", "linecache"})
@@ -61,6 +62,32 @@ def build(classify, protected, ws, cmp_name):
                     cd = v.__dict__
                     out.append((f"{m.__name__}.{k}", None, cd, tuple(cd), tuple(cd.values()), v))
         return tuple(out)
+
+    def library_module_class(t, _classify=classify, _modules=sys.modules, _cdict=type.__dict__["__dict__"].__get__,
+                             _mdict=types.ModuleType.__dict__["__dict__"].__get__, _module=types.ModuleType) -> bool:
+        """Whether a module subclass is a library's (importlib's lazy modules, a package's own):
+        its class dict's ``__module__`` names a loaded module whose file is not the policy's."""
+        m = _modules.get(_cdict(t).get("__module__"))  # a mappingproxy: its own C get
+        if not isinstance(m, _module):
+            return False
+        f = dict.get(_mdict(m), "__file__")
+        return (isinstance(f, str) and _classify(str.__str__(f)) != "solution") or m is sys.modules.get("importlib.util")
+
+    def odd_entry(t, _lib=library_module_class, _cdict=type.__dict__["__dict__"].__get__,
+                  _mro=type.__dict__["__mro__"].__get__, _fn=types.FunctionType, _heap=1 << 9) -> bool:
+        """Whether objects of class ``t`` (found in sys.modules) answer attribute lookups with
+        code of the policy's or with C callables put on a class made at run time."""
+        for c in _mro(t):
+            if not c.__flags__ & _heap:
+                continue  # a static C type's own slots
+            if not _lib(c):
+                return True
+            d = _cdict(c)
+            for special in ("__getattr__", "__getattribute__"):
+                v = d.get(special)
+                if v is not None and type(v) is not _fn:
+                    return True
+        return False
 
     def foreign_hooks(config, _classify=classify, _known=set(), _fn=types.FunctionType, _m=types.MethodType):
         """pytest hooks whose code the policy wrote (a plugin it registered, or one of ours
@@ -118,7 +145,10 @@ def build(classify, protected, ws, cmp_name):
 
     def compare(before, where, config=None, _audit=sys.audit, _volatile=VOLATILE, _modules=sys.modules,
                 _hooks=foreign_hooks, _protected=protected, _ws=ws, _changes=changes, _state=state_of,
-                _same=same_state, _last=[None], _cmp=cmp_name, _gettrace=sys.gettrace, _getprofile=sys.getprofile):
+                _same=same_state, _last=[None], _cmp=cmp_name, _gettrace=sys.gettrace, _getprofile=sys.getprofile,
+                _module=types.ModuleType, _mdict=types.ModuleType.__dict__["__dict__"].__get__,
+                _max_modules=MAX_MODULES, _fn=types.FunctionType, _tname=type.__dict__["__qualname__"].__get__,
+                _libclass=library_module_class, _odd_entry=odd_entry):
         """Flag what changed since ``before``. Most of it (the namespaces pytest does not rebind
         itself) is compared as one flat state, at C speed, with the last state found clean:
         only where that differs is each namespace looked at in detail (an import adds names,
@@ -130,12 +160,37 @@ def build(classify, protected, ws, cmp_name):
         on the stack (a C callable run by pytest's collection)."""
         if _gettrace() is not None or _getprofile() is not None:
             _audit("tg.flag", f"a trace or profile function is set ({where})")
-        for m in list(_modules.values()):
-            f = getattr(m, "__file__", None)
-            if type(f) is str and f in _protected:
-                d = getattr(m, "__dict__", None)
-                if type(d) is dict and _cmp in d:
-                    _audit("tg.flag", f"the runner's comparison shadowed in {f[len(_ws):]}'s globals ({where})")
+        if len(_modules) > _max_modules:  # a check per record over every module: bounded
+            _audit("tg.flag", f"{len(_modules)} modules loaded (more than {_max_modules}) ({where})")
+        for name, m in list(_modules.items())[:_max_modules]:
+            # Read through ModuleType's own __dict__ descriptor, never by attribute lookup: a
+            # module the policy put in sys.modules answers a lookup of a missing __file__ with
+            # its own __getattr__, run here with only the runner's frames on the stack (the
+            # tenth review's frame capture). Library code walks sys.modules the same way
+            # (inspect.getmodule, from pytest's traceback rendering), so a module whose
+            # __getattr__ or __dir__ is not a plain function, or an entry that is no module,
+            # is flagged: its lookups run C callables under whichever code asks.
+            if not isinstance(m, _module):
+                # typing puts classes there (typing.io); a class of the policy's, or one whose
+                # attribute lookup is not a plain function, answers as the module above would
+                if m is not None and _odd_entry(type(m)):
+                    _audit("tg.flag", f"sys.modules[{str(name)[:60]!r}] is a {_tname(type(m))!s:.60}, not a module, "
+                                      f"whose attribute lookup is the solution's ({where})")
+                continue
+            if type(m) is not _module and not _libclass(type(m)):
+                _audit("tg.flag", f"sys.modules[{str(name)[:60]!r}] is of a module class the solution made ({where})")
+                continue
+            d = _mdict(m)
+            if type(d) is not dict:
+                continue
+            for special in ("__getattr__", "__dir__"):
+                v = dict.get(d, special)
+                if v is not None and type(v) is not _fn:
+                    _audit("tg.flag", f"sys.modules[{str(name)[:60]!r}].{special} is a {_tname(type(v))!s:.60}, "
+                                      f"not a function: a lookup would run it with no frame of its own ({where})")
+            f = dict.get(d, "__file__") if type(d) is dict else None
+            if type(f) is str and f in _protected and _cmp in d:
+                _audit("tg.flag", f"the runner's comparison shadowed in {f[len(_ws):]}'s globals ({where})")
         if config is not None:
             bad = _hooks(config)
             if bad:
@@ -154,4 +209,4 @@ def build(classify, protected, ws, cmp_name):
     return types.SimpleNamespace(snapshot=snapshot, compare=compare)
 
 
-__all__ = ["ROOT_NAMES", "RUNNER_PREFIX", "VOLATILE", "VOLATILE_ANYWHERE", "WATCHED_STDLIB", "build"]
+__all__ = ["MAX_MODULES", "ROOT_NAMES", "RUNNER_PREFIX", "VOLATILE", "VOLATILE_ANYWHERE", "WATCHED_STDLIB", "build"]

@@ -41,6 +41,7 @@ import sys
 import threading
 
 EVIDENCE_REPLACED = 3  # the exit status when the evidence pipe is not the one the host gave
+FLAGS_EXHAUSTED = 4  # the exit status when a flag is raised past the budget of distinct flags
 
 
 def _sibling(name: str):
@@ -131,9 +132,11 @@ def main() -> None:
         # closure) still lets the first flag through, and one flag fails the grade.
         if reason in flagged:
             return
-        n = flags[0]
-        if type(n) is int and 50 <= n == len(flagged):
-            return
+        if len(flagged) >= 50 or flags[0] != len(flagged):
+            # past the budget (or the budget's state changed by other code: the tenth review
+            # padded it to 50 from main's frame) the run ends here, and the host grades an
+            # exit with this status FAIL: a flag is never dropped
+            exit_(FLAGS_EXHAUSTED)
         flags[0] = len(flagged) + 1
         flagged.add(reason)
         emit({"t": "flag", "reason": reason})
