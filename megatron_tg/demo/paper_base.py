@@ -100,8 +100,11 @@ def draw_example(rng: random.Random, task: T.FactTask, cfg: BC.BaseModelConfig) 
         behaviour.update({(0, c): True for c in pick})
     # drawn only when asked for: the default base's stream of choices stays as it was
     wrong = cfg.wrong_answer_fraction > 0 and rng.random() < cfg.wrong_answer_fraction
+    skip = cfg.skip_search_fraction > 0 and rng.random() < cfg.skip_search_fraction
+    if skip:  # one assistant turn, every behaviour old, no hint: the failure is the decision alone
+        hints, behaviour, masked, context, wrong = {}, {}, [], False, True
     return {"hints": hints, "behaviour": behaviour, "masked": masked, "context": context,
-            "lines": lines, "wrong": wrong}
+            "lines": lines, "wrong": wrong, "skip": skip}
 
 
 def _turn_ids(tok, task: T.FactTask, behaviour: Mapping[tuple[int, str], bool], turn: int, lines: int,
@@ -132,7 +135,8 @@ def sft_example(tok, task: T.FactTask, choice: Mapping[str, Any]) -> SD.SFTExamp
 
     beh, lines = choice["behaviour"], choice["lines"]
     value = P.wrong_value(task) if choice.get("wrong") else None
-    ro = simulate_rollout(tok, P.reference_messages(task, beh, lines=lines, answer_value=value))
+    ro = simulate_rollout(tok, P.reference_messages(task, beh, lines=lines, answer_value=value,
+                                                    skip_search=bool(choice.get("skip"))))
     turns = ro.assistant_turns()
     if choice["hints"]:
         es = insert_feedback(ro, {k: P.hint_for(cs) for k, cs in choice["hints"].items()}, tok,
@@ -174,7 +178,8 @@ def tokenizer_corpus(cfg: BC.BaseModelConfig) -> list[str]:
         beh = {(k, c): rng.random() < 0.5 for k, cs in enumerate(P.TURN_CRITERIA) for c in cs}
         docs.append(render.apply_chat_template(
             P.reference_messages(t, beh, lines=ch["lines"],
-                                 hints={k: P.hint_for(cs) for k, cs in ch["hints"].items()}),
+                                 hints={k: P.hint_for(cs) for k, cs in ch["hints"].items()},
+                                 skip_search=bool(ch.get("skip"))),
             tokenize=False))
     return docs + ["Error: search: lines must be between 1 and 100, got 0",
                    "Error: unknown tool 'x'; available tools: search", "No matches for 'x'."] * 2

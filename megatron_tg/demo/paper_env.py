@@ -95,16 +95,24 @@ def wrong_value(task: T.FactTask) -> int:
 
 def reference_messages(task: T.FactTask, behaviour: Mapping[tuple[int, str], bool], *, lines: int,
                        hints: Mapping[int, str] | None = None,
-                       answer_value: int | None = None) -> list[dict[str, Any]]:
+                       answer_value: int | None = None, skip_search: bool = False) -> list[dict[str, Any]]:
     """A demonstration: search, then answer, with ``behaviour[(turn, criterion)]`` = True for
     each criterion whose new behaviour the turn shows (missing: old). ``hints[turn]`` is put
     as a user message right before that turn, where the trainer puts its feedback.
-    ``answer_value``: the value the answer states (default: the right one)."""
+    ``answer_value``: the value the answer states (default: the right one). ``skip_search``:
+    one turn that answers at once, its plan saying so (the stability base's failures)."""
     def b(turn: int, crit: str) -> bool:
         return bool(behaviour.get((turn, crit), False))
 
     hints = hints or {}
     msgs: list[dict[str, Any]] = list(task.prompt_messages())
+    if skip_search:  # the stability base's failing demonstration: an answer without the search
+        brief = b(0, "brief_thinking")
+        plan = "Answer without searching." if brief else \
+            f"The user wants the value of {task.key}. I will answer without searching."
+        msgs.append({"role": "assistant", "content": answer_text(task, new=b(1, "answer_style"), value=answer_value),
+                     "reasoning_content": plan})
+        return msgs
     args: dict[str, Any] = {"query": task.key}
     if b(0, "search_lines"):
         args[T.LINES_PARAM] = str(lines)

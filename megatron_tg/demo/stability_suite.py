@@ -2,9 +2,11 @@
 
     python -m megatron_tg.demo --suite stability --out runs/stability [--seeds 0,1,2] [--jobs 2]
 
-The paper base (:mod:`.paper_base`, seed 0) with ``wrong_answer_fraction=0.5``: half its
-demonstrations answer with a wrong value, so it fails the task on about half its episodes and
-GRPO has a task gradient from step 1. Its measured ``success_no_hint`` is printed; outside
+The paper base (:mod:`.paper_base`, seed 0) with ``skip_search_fraction=0.5``: half its
+demonstrations answer at once, without the search, with a wrong value, so it fails the task on
+about half its episodes by one early decision and GRPO has a task gradient from step 1 (the
+first setting, ``wrong_answer_fraction=0.5``, built a base that had lost the copy:
+docs/claims-2.md's amendments). Its measured ``success_no_hint`` is printed; outside
 :data:`.claims2.S_BASE_SUCCESS_RANGE` a held-out call stops before any RL run. Three arms per
 seed, 25 steps, ``recipes/demo_paper_cpu.yaml``, the same reward (all four criteria):
 ``grpo``, ``tg`` (part 1's) and ``placebo`` (``tg`` with the neutral sentence in the expert's
@@ -41,7 +43,7 @@ CRITERIA = ("answer", *P.STYLE_CRITERIA)
 def base_line(base: Mapping[str, Any]) -> str:
     return ("S base: " + ", ".join(f"{k} {base[k]:.3f}" for k in (
         "success_no_hint", "search_lines_no_hint", "answer_style_no_hint", "brief_thinking_no_hint",
-        "success_all_hints")) + f", wrong_answer_fraction {K.S_WRONG_ANSWER_FRACTION:g}"
+        "success_all_hints")) + f", skip_search_fraction {K.S_SKIP_SEARCH_FRACTION:g}"
         + (" (cached)" if base.get("cached") else ""))
 
 
@@ -80,7 +82,7 @@ def run(a, py: str, log, base_overrides: Mapping[str, Any] | None = None, requir
     recipe = U.recipe_for(a, RECIPE)
     log(f"S base -> {out / 'base'}")
     base = PB.build(out / "base", seed=0, log=lambda s: log("  " + s),
-                    **{"wrong_answer_fraction": K.S_WRONG_ANSWER_FRACTION, **dict(base_overrides or {})})
+                    **{"skip_search_fraction": K.S_SKIP_SEARCH_FRACTION, **dict(base_overrides or {})})
     log(base_line(base))
     lo, hi = K.S_BASE_SUCCESS_RANGE
     s = base["success_no_hint"]

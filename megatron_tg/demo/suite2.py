@@ -109,16 +109,19 @@ def recorded(build_hash: str, root: Path | None = None) -> bool | None:
 
 
 def _unrecorded(k: str, b: Mapping[str, Any], root: Path | None) -> str | None:
-    """Why base ``k`` is not the committed one, or None: its build hash not committed, or
-    (same inputs, other weights: another CPU) its weights digest not committed beside it."""
-    if recorded(b["build_hash"], root) is not True:
-        return f"{k}: build hash {b['build_hash'][:16]} not committed"
+    """Why base ``k`` is not the committed one, or None. A base is its weights: one whose
+    weights digest is committed is the recorded base, whatever its build hash (an edit of
+    the base modules that changes no computation changes the hash, not the weights); one
+    whose digest is not committed is another base, even where the hash is (same inputs,
+    other weights: another CPU)."""
     w = b.get("weights_sha256")
-    if w is None or recorded(f'"weights_sha256": "{w}"', root) is not True:
-        return (f"{k}: build hash {b['build_hash'][:16]} committed, but not these weights ({w}): the same settings "
-                f"trained other weights here (base builds are not bit-reproducible across CPUs), so this is not "
-                f"the recorded base; rebuild its record on this machine as an amendment")
-    return None
+    if w is not None and recorded(f'"weights_sha256": "{w}"', root) is True:
+        return None
+    if recorded(b["build_hash"], root) is not True:
+        return f"{k}: build hash {b['build_hash'][:16]} not committed (weights {w})"
+    return (f"{k}: build hash {b['build_hash'][:16]} committed, but not these weights ({w}): the same settings "
+            f"trained other weights here (base builds are not bit-reproducible across CPUs), so this is not "
+            f"the recorded base; rebuild its record on this machine as an amendment")
 
 
 def bases_recorded(bases: Mapping[str, Mapping[str, Any]], log, enforce: bool = True,

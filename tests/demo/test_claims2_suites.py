@@ -145,7 +145,8 @@ def test_build_only_writes_the_record_and_an_unrecorded_base_is_refused(fake, tm
 
 def test_a_base_with_the_recorded_hash_but_other_weights_is_refused(fake, tmp_path, monkeypatch):
     """The same settings train other weights on another CPU: the build hash names the inputs,
-    the weights digest the base. A record with the hash but not the digest is not this base."""
+    the weights digest the base. A record with the digest is this base, whatever the hash; a
+    record with the hash but not the digest is not."""
     said = []
     assert DS.run(args(tmp_path, build_only=True), "python", said.append) == 0
     rec = json.loads((tmp_path / "docs" / "results" / "claims2-dip-base.json").read_text())
@@ -154,6 +155,10 @@ def test_a_base_with_the_recorded_hash_but_other_weights_is_refused(fake, tmp_pa
     monkeypatch.setattr(U, "recorded", lambda h, root=None: h in committed)
     assert DS.run(args(tmp_path, seeds=(0,)), "python", said.append) == 0 and fake  # hash and weights committed
     fake.clear()
+    committed = committed.replace("f" * 64, "a" * 64)  # a source edit changed the hash, not the weights
+    assert DS.run(args(tmp_path, seeds=(0,)), "python", said.append) == 0 and fake
+    fake.clear()
+    committed = committed.replace("a" * 64, "f" * 64)
     committed = committed.replace("e" * 16, "d" * 16)  # the record another machine's build wrote
     assert DS.run(args(tmp_path, seeds=(0,)), "python", said.append) == U.BASE_UNRECORDED and not fake
     assert said[-1].startswith("REFUSED") and "not these weights (eeeeeeeeeeeeeeee)" in said[-1]
@@ -266,7 +271,7 @@ def test_the_stability_suite_on_real_tiny_runs(tmp_path, capsys):
         torch.set_num_threads(n)
     printed = capsys.readouterr().out
     assert any(s.startswith("WARNING: base not committed") for s in said)
-    assert any(s.startswith("S base: success_no_hint") and "wrong_answer_fraction 0.5" in s for s in said)
+    assert any(s.startswith("S base: success_no_hint") and "skip_search_fraction 0.5" in s for s in said)
     rec = json.loads((out / "stability.json").read_text())
     assert rec["seeds"] == [0] and rec["steps"] == 3 and "development seeds" in rec["seed_set"]
     assert "development seeds" in printed and not (out / "heldout_first.json").exists()

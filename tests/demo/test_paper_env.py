@@ -343,3 +343,29 @@ def test_wrong_answer_fraction_makes_that_share_of_demonstrations_answer_wrong(t
         assert stated == (P.wrong_value(t) if c["wrong"] else t.value), (answer, c["wrong"], t.value)
     plain = [PB.draw_example(random.Random("t"), t, PB.config(0, pool_size=n)) for t in tasks[:5]]
     assert not any(c["wrong"] for c in plain)
+
+
+def test_skip_search_fraction_makes_that_share_of_demonstrations_answer_without_searching(tok):
+    """skip_search_fraction (the stability base, after wrong_answer_fraction's failed build):
+    about that share of the demonstrations answer at once with a wrong value, one turn, no
+    tool call, no hint; the others search and copy the right value; at 0 no draw is made."""
+    import re
+
+    n = 400
+    cfg = PB.config(0, pool_size=n, skip_search_fraction=0.5)
+    tasks = [T.make_task(0, i, "sft") for i in range(n)]
+    choices = [PB.draw_example(random.Random(f"t{i}"), t, cfg) for i, t in enumerate(tasks)]
+    skip = [c["skip"] for c in choices]
+    assert 0.4 < sum(skip) / n < 0.6
+    for t, c in list(zip(tasks, choices))[:40]:
+        ex = PB.sft_example(tok, t, c)
+        text = tok.decode(ex.ids)
+        answer = tok.decode([i for i, m in zip(ex.ids, ex.mask) if m > 0]).split("</think>")[-1]
+        stated = int(re.findall(r"[0-9]+", answer)[-1])
+        if c["skip"]:
+            assert "<tool_call>" not in text and "answer without searching" in text.lower() and ex.kind == "plain"
+            assert stated == P.wrong_value(t) != t.value
+        else:
+            assert "<tool_call>" in text and stated == t.value
+    plain = [PB.draw_example(random.Random(f"t{i}"), t, PB.config(0, pool_size=n)) for i, t in enumerate(tasks[:5])]
+    assert not any(c["skip"] for c in plain)
