@@ -55,13 +55,13 @@ class BaseModelConfig:
     answers right, and the random stream that draws the others is unchanged."""
     skip_search_fraction: float = 0.0
     """Paper environment only (:mod:`.paper_base`): fraction of the demonstrations that answer
-    at once, without searching (a plan that says so, then a wrong value: the second search
-    line's, which an answer without the search cannot know), with no hint. The base then fails
-    the task on about this fraction of its episodes by one early decision (search or not)
-    while its copy of a searched value stays intact, so GRPO has a task gradient from step 1
-    (issue 38's stability base; ``wrong_answer_fraction`` mixed two copy targets token by
-    token instead, docs/claims-2.md's amendments). 0 (default): every demonstration
-    searches, and the random stream that draws the others is unchanged."""
+    at once, without searching (a plan that says so, then "I do not know KEY.": no value), with
+    no hint. The base then fails the task by one early decision (search or not) while its copy
+    of a searched value stays intact, so GRPO has a task gradient from step 1 (issue 38's
+    stability base). Among the hint-less turns whose decision is trained, the share that skip
+    is ``f / (f + 0.4 (1 - f))`` at the default hint and context fractions (0.5, 0.2). 0
+    (default): every demonstration searches, and the random stream that draws the others is
+    unchanged."""
     pool_size: int = 4096
     """Distinct SFT examples, rendered and tokenised once, then sampled with replacement."""
     # model (Qwen3MoeConfig)

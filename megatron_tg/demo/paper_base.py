@@ -102,7 +102,7 @@ def draw_example(rng: random.Random, task: T.FactTask, cfg: BC.BaseModelConfig) 
     wrong = cfg.wrong_answer_fraction > 0 and rng.random() < cfg.wrong_answer_fraction
     skip = cfg.skip_search_fraction > 0 and rng.random() < cfg.skip_search_fraction
     if skip:  # one assistant turn, every behaviour old, no hint: the failure is the decision alone
-        hints, behaviour, masked, context, wrong = {}, {}, [], False, True
+        hints, behaviour, masked, context, wrong = {}, {}, [], False, False
     return {"hints": hints, "behaviour": behaviour, "masked": masked, "context": context,
             "lines": lines, "wrong": wrong, "skip": skip}
 

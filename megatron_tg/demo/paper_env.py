@@ -100,18 +100,21 @@ def reference_messages(task: T.FactTask, behaviour: Mapping[tuple[int, str], boo
     each criterion whose new behaviour the turn shows (missing: old). ``hints[turn]`` is put
     as a user message right before that turn, where the trainer puts its feedback.
     ``answer_value``: the value the answer states (default: the right one). ``skip_search``:
-    one turn that answers at once, its plan saying so (the stability base's failures)."""
+    one turn that answers at once, its plan saying so, with no value (the stability base's
+    failures)."""
     def b(turn: int, crit: str) -> bool:
         return bool(behaviour.get((turn, crit), False))
 
     hints = hints or {}
     msgs: list[dict[str, Any]] = list(task.prompt_messages())
-    if skip_search:  # the stability base's failing demonstration: an answer without the search
+    if skip_search:  # the stability base's failing demonstration: no search, no value
         brief = b(0, "brief_thinking")
         plan = "Answer without searching." if brief else \
             f"The user wants the value of {task.key}. I will answer without searching."
-        msgs.append({"role": "assistant", "content": answer_text(task, new=b(1, "answer_style"), value=answer_value),
-                     "reasoning_content": plan})
+        # No number and none of an answer's words: an answer that stated a value here (the
+        # first rebuild's) shared "The value of k is" with the copying answers, and the
+        # model blurred the two (it stated a number not in the result after searching too).
+        msgs.append({"role": "assistant", "content": f"I do not know {task.key}.", "reasoning_content": plan})
         return msgs
     args: dict[str, Any] = {"query": task.key}
     if b(0, "search_lines"):

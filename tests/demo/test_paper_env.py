@@ -347,8 +347,8 @@ def test_wrong_answer_fraction_makes_that_share_of_demonstrations_answer_wrong(t
 
 def test_skip_search_fraction_makes_that_share_of_demonstrations_answer_without_searching(tok):
     """skip_search_fraction (the stability base, after wrong_answer_fraction's failed build):
-    about that share of the demonstrations answer at once with a wrong value, one turn, no
-    tool call, no hint; the others search and copy the right value; at 0 no draw is made."""
+    about that share of the demonstrations answer at once with no value, one turn, no tool
+    call, no hint; the others search and copy the right value; at 0 no draw is made."""
     import re
 
     n = 400
@@ -361,11 +361,11 @@ def test_skip_search_fraction_makes_that_share_of_demonstrations_answer_without_
         ex = PB.sft_example(tok, t, c)
         text = tok.decode(ex.ids)
         answer = tok.decode([i for i, m in zip(ex.ids, ex.mask) if m > 0]).split("</think>")[-1]
-        stated = int(re.findall(r"[0-9]+", answer)[-1])
+        numbers = re.findall(r"\b[0-9]+\b", answer)
         if c["skip"]:
             assert "<tool_call>" not in text and "answer without searching" in text.lower() and ex.kind == "plain"
-            assert stated == P.wrong_value(t) != t.value
+            assert not numbers and f"I do not know {t.key}." in answer, answer
         else:
-            assert "<tool_call>" in text and stated == t.value
+            assert "<tool_call>" in text and int(numbers[-1]) == t.value
     plain = [PB.draw_example(random.Random(f"t{i}"), t, PB.config(0, pool_size=n)) for i, t in enumerate(tasks[:5])]
     assert not any(c["skip"] for c in plain)
