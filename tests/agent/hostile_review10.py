@@ -5,7 +5,7 @@ holds "files", optional "setup(ws, ctx)", "after_adopt(ws, ctx)", "host_check(ws
 runner), "swe" (the first toolz row of tests/agent/test_swe.py's builder, runner) or
 "calls:<id>" (a built-in task of tasks.jsonl, graded by calls). A "files" value that is a
 callable is given the pristine text of that path and returns the new text (for the SWE row,
-whose sources the review does not copy). Graded by /tmp/review10/run.py.
+whose sources the review does not copy). Graded by the reviewer's own harness, three runs each, and by tests/agent/test_grading_review10.py.
 
 The main finding (classes W1+W2, see the report): a callable made only of C callables
 (functools.partial(next, map(deque.append, iter(sys._getframe, None)))) set as a module's
@@ -305,7 +305,7 @@ attack("calls-roman-answers-from-the-visible-examples-and-the-instruction",
        task="calls:roman_to_int")
 
 
-# Verdicts on cbfe37b (three runs each, sequential; /tmp/review10/batch.log). "PASS" on an attack
+# Verdicts on cbfe37b (three runs each, sequential). "PASS" on an attack
 # that does not implement the task = the grader was fooled. Controls (correct PASS, wrong FAIL)
 # before and after the batch for calc, the toolz row and the four calls tasks: all as expected.
 # No host victim changed, no process outlived a grade, every grade's metadata encoded.
