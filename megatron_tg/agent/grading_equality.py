@@ -117,7 +117,7 @@ def install(classify, protected, disguised, run_by_policy, referents, define) ->
         return ok
 
     def made_by_policy(t, _heap=1 << 9, _library_class=library_class, _cdict=_real_dict, _modules=sys.modules,
-                       _classify=classify, _protected=protected) -> bool:
+                       _protected=protected, _mdict=types.ModuleType.__dict__["__dict__"].__get__) -> bool:
         """Whether the operand's own class is one the policy made: a class made at run time that
         no library (or test) module holds under its own name. Its comparison may be a library's
         (``Fraction.__eq__``, ``ndarray.__eq__``), but that comparison answers through the
@@ -126,15 +126,17 @@ def install(classify, protected, disguised, run_by_policy, referents, define) ->
         if not t.__flags__ & _heap or _library_class(t, None):
             return False
         m = _modules.get(_cdict(t).get("__module__"))
-        f = getattr(m, "__file__", None) if type(m) is types.ModuleType else None
+        # the module's dict read through ModuleType's descriptor: a lookup would run a policy
+        # module's __getattr__ inside the check
+        f = dict.get(_mdict(m), "__file__") if type(m) is types.ModuleType else None
         return not (isinstance(f, str) and str.__str__(f) in _protected)
 
-    def object_array(x, t, _modules=sys.modules) -> bool:
+    def object_array(x, t, _modules=sys.modules, _mdict=types.ModuleType.__dict__["__dict__"].__get__) -> bool:
         """A numpy array of dtype object: it compares element by element with its elements'
         own ``__eq__``, and holds them where ``gc.get_referents`` does not look (numpy arrays
         are not tracked), so whose comparison decides cannot be seen."""
         np = _modules.get("numpy")
-        if np is None or t is not getattr(np, "ndarray", None):
+        if type(np) is not types.ModuleType or t is not dict.get(_mdict(np), "ndarray"):
             return False
         try:
             return bool(x.dtype.hasobject)

@@ -83,7 +83,7 @@ def build(classify, protected, ws, code_of, code_file, norm, checked, cmp_arg, d
             return f"{nodeid!s:.200}: an item of class {_name(t)!s:.60} under a test file's node id"
         p = getattr(item, "parent", None)
         for _ in range(8):
-            if p is None or type(p).__name__ in ("Session", "Package", "Dir", "Directory"):
+            if p is None or _name(type(p)) in ("Session", "Package", "Dir", "Directory"):
                 break
             if type(p) not in _parents:
                 return f"{nodeid!s:.200}: its parent is a {_name(type(p))!s:.60}, not pytest's module or class"

@@ -63,17 +63,18 @@ def build(classify, protected, ws, cmp_name):
                     out.append((f"{m.__name__}.{k}", None, cd, tuple(cd), tuple(cd.values()), v))
         return tuple(out)
 
-    def library_module_class(t, _classify=classify, _modules=sys.modules, _cdict=type.__dict__["__dict__"].__get__,
+    def library_class(t, _classify=classify, _modules=sys.modules, _cdict=type.__dict__["__dict__"].__get__,
                              _mdict=types.ModuleType.__dict__["__dict__"].__get__, _module=types.ModuleType) -> bool:
-        """Whether a module subclass is a library's (importlib's lazy modules, a package's own):
-        its class dict's ``__module__`` names a loaded module whose file is not the policy's."""
+        """Whether class ``t`` is a library's (a module subclass: importlib's lazy modules, a
+        package's own; a class typing puts in sys.modules): its class dict's ``__module__``
+        names a loaded module whose file is not the policy's."""
         m = _modules.get(_cdict(t).get("__module__"))  # a mappingproxy: its own C get
         if not isinstance(m, _module):
             return False
         f = dict.get(_mdict(m), "__file__")
-        return (isinstance(f, str) and _classify(str.__str__(f)) != "solution") or m is sys.modules.get("importlib.util")
+        return isinstance(f, str) and _classify(str.__str__(f)) != "solution"
 
-    def odd_entry(t, _lib=library_module_class, _cdict=type.__dict__["__dict__"].__get__,
+    def odd_entry(t, _lib=library_class, _cdict=type.__dict__["__dict__"].__get__,
                   _mro=type.__dict__["__mro__"].__get__, _fn=types.FunctionType, _heap=1 << 9) -> bool:
         """Whether objects of class ``t`` (found in sys.modules) answer attribute lookups with
         code of the policy's or with C callables put on a class made at run time."""
@@ -148,7 +149,7 @@ def build(classify, protected, ws, cmp_name):
                 _same=same_state, _last=[None], _cmp=cmp_name, _gettrace=sys.gettrace, _getprofile=sys.getprofile,
                 _module=types.ModuleType, _mdict=types.ModuleType.__dict__["__dict__"].__get__,
                 _max_modules=MAX_MODULES, _fn=types.FunctionType, _tname=type.__dict__["__qualname__"].__get__,
-                _libclass=library_module_class, _odd_entry=odd_entry):
+                _libclass=library_class, _odd_entry=odd_entry):
         """Flag what changed since ``before``. Most of it (the namespaces pytest does not rebind
         itself) is compared as one flat state, at C speed, with the last state found clean:
         only where that differs is each namespace looked at in detail (an import adds names,
@@ -188,7 +189,7 @@ def build(classify, protected, ws, cmp_name):
                 if v is not None and type(v) is not _fn:
                     _audit("tg.flag", f"sys.modules[{str(name)[:60]!r}].{special} is a {_tname(type(v))!s:.60}, "
                                       f"not a function: a lookup would run it with no frame of its own ({where})")
-            f = dict.get(d, "__file__") if type(d) is dict else None
+            f = dict.get(d, "__file__")
             if type(f) is str and f in _protected and _cmp in d:
                 _audit("tg.flag", f"the runner's comparison shadowed in {f[len(_ws):]}'s globals ({where})")
         if config is not None:

@@ -120,24 +120,19 @@ def main() -> None:
     classify, kind, disguised, culprit, busy = a.classify, a.kind, a.disguised, a.culprit, a.busy
     norm, realpath, main_thread = a.norm, a.realpath, a.main_thread
     runner_file = os.path.abspath(__file__)
-    flags = [0]
     flagged: set[str] = set()
 
     def flag(reason: str) -> None:
         reason = str(reason)[:500]
         # bounded: a flood of flags cannot fill the host's buffer; and each reason once, so
-        # that a walk repeating one (pytest rendering a traceback frame by frame) leaves room
-        # Fails closed: a flag is dropped only once 50 distinct ones were written, so a
-        # counter set past the bound by other code (the seventh review reached it through a
-        # closure) still lets the first flag through, and one flag fails the grade.
+        # that a walk repeating one (pytest rendering a traceback frame by frame) leaves room.
+        # Fails closed: past 50 distinct reasons (or a set other code padded to 50: the tenth
+        # review did, from main's frame) the run ends here with a status the host grades
+        # FAIL, so a flag is never dropped; a set emptied by other code only repeats flags.
         if reason in flagged:
             return
-        if len(flagged) >= 50 or flags[0] != len(flagged):
-            # past the budget (or the budget's state changed by other code: the tenth review
-            # padded it to 50 from main's frame) the run ends here, and the host grades an
-            # exit with this status FAIL: a flag is never dropped
+        if len(flagged) >= 50:
             exit_(FLAGS_EXHAUSTED)
-        flags[0] = len(flagged) + 1
         flagged.add(reason)
         emit({"t": "flag", "reason": reason})
 
