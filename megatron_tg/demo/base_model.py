@@ -178,6 +178,7 @@ def weights_digest(out_dir: str | os.PathLike) -> str:
     base a build made. The build hash names the inputs, and the same inputs train other
     weights on another CPU (the claims' P bases, docs/claims-2.md's amendments), so a record
     holds both."""
+    import torch
     from safetensors.torch import load_file
 
     h = hashlib.sha256()
@@ -185,7 +186,7 @@ def weights_digest(out_dir: str | os.PathLike) -> str:
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 

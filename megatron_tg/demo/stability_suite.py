@@ -2,11 +2,12 @@
 
     python -m megatron_tg.demo --suite stability --out runs/stability [--seeds 0,1,2] [--jobs 2]
 
-The paper base (:mod:`.paper_base`, seed 0) with ``skip_search_fraction=0.5``: half its
-demonstrations answer at once, without the search, with a wrong value, so it fails the task on
-about half its episodes by one early decision and GRPO has a task gradient from step 1 (the
-first setting, ``wrong_answer_fraction=0.5``, built a base that had lost the copy:
-docs/claims-2.md's amendments). Its measured ``success_no_hint`` is printed; outside
+The paper base (:mod:`.paper_base`, seed 0) with ``skip_search_fraction=0.3``: 30 % of its
+demonstrations answer at once, without the search and without a value, so about half its
+hint-less decisions skip the search, it fails the task on about half its episodes by that one
+early decision, and GRPO has a task gradient from step 1 (the two settings before,
+``wrong_answer_fraction=0.5`` and ``skip_search_fraction=0.5`` with a wrong value, built bases
+that had lost the copy: docs/claims-2.md's amendments). Its measured ``success_no_hint`` is printed; outside
 :data:`.claims2.S_BASE_SUCCESS_RANGE` a held-out call stops before any RL run. Three arms per
 seed, 25 steps, ``recipes/demo_paper_cpu.yaml``, the same reward (all four criteria):
 ``grpo``, ``tg`` (part 1's) and ``placebo`` (``tg`` with the neutral sentence in the expert's

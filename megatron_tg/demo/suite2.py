@@ -71,8 +71,9 @@ def base_record_path(suite: str, root: Path | None = None) -> Path:
 
 def environment() -> dict[str, str]:
     """The library versions a base's build hash covers besides its settings and the package's
-    source (:func:`.base_model.build_hash`): the same settings under another transformers
-    build another base (P's 1e-3 level: 8.4e-4 under 5.24.0, 2.6e-4 under 5.25.0)."""
+    source (:func:`.base_model.build_hash`): under other versions the hash differs, so a
+    record names the ones it was built under (which base a build made is its weights digest's
+    to say: the same settings train other weights on another CPU)."""
     import torch
     import transformers
 
@@ -127,8 +128,9 @@ def _unrecorded(k: str, b: Mapping[str, Any], root: Path | None) -> str | None:
 def bases_recorded(bases: Mapping[str, Mapping[str, Any]], log, enforce: bool = True,
                    root: Path | None = None) -> bool:
     """The rule that bases are fixed before any RL run on them, development runs included:
-    False (refuse) when a base's hash is not committed under ``docs/results/``; ``enforce``
-    False (tests' tiny bases only) turns the refusal into a warning."""
+    False (refuse) when a base is not the committed one (:func:`_unrecorded`: its weights
+    digest not under ``docs/results/``); ``enforce`` False (tests' tiny bases only) turns the
+    refusal into a warning."""
     missing = [m for m in (_unrecorded(k, b, root) for k, b in bases.items()) if m]
     if not missing:
         log("bases recorded in " + RESULTS + ": " + ", ".join(f"{k} {b['build_hash'][:16]} (weights "
